@@ -1,0 +1,1 @@
+"""csbp simulator: workload + plan -> layout -> step graph -> engine -> result. No torch here."""

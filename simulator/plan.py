@@ -1,0 +1,146 @@
+"""How a step is split over GPUs: the dp, tp, ep, cp, bp axes, transport, schedule, placement.
+
+The rules are those of the reference implementation (shared/reference/workloads.md):
+world = dp * tp * ep * max(cp, bp); fused CP/BP needs bp >= cp and bp % cp == 0; cp alone is the
+CP baseline over the 2L sequence; cp = 1, bp > 1 is pure BP with a replicated clean prefix.
+Each violated rule is reported by name, in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from simulator.errors import InputError
+from simulator.spec import ModelSpec
+from simulator.workload import Workload
+
+Transport = Literal["collective", "ring"]
+Schedule = Literal["dual-end", "contiguous"]
+PlanKind = Literal["single", "dp", "cp", "bp", "csbp"]
+
+AXES = ("dp", "tp", "ep", "cp", "bp")
+# Order of axes from innermost (consecutive global ranks) to outermost; "ctx" is the context
+# group of size max(cp, bp). TP innermost keeps its many small collectives on NVLink.
+DEFAULT_PLACEMENT = "tp,ctx,ep,dp"
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dp: PositiveInt = 1
+    tp: PositiveInt = 1
+    ep: PositiveInt = 1
+    cp: PositiveInt = 1
+    bp: PositiveInt = 1
+    transport: Transport = "collective"
+    schedule: Schedule = "dual-end"
+    placement: str = Field(DEFAULT_PLACEMENT, description="axes innermost first, e.g. tp,ctx,ep,dp")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Plan":
+        if self.cp > 1 and self.bp > 1:
+            if self.bp < self.cp:
+                raise ValueError(f"fused CP/BP needs bp >= cp (got cp={self.cp}, bp={self.bp})")
+            if self.bp % self.cp:
+                raise ValueError(f"fused CP/BP needs bp % cp == 0 (got cp={self.cp}, bp={self.bp})")
+        order = self.placement.split(",")
+        if sorted(order) != sorted(["tp", "ctx", "ep", "dp"]):
+            raise ValueError(f"placement {self.placement!r} must order exactly tp, ctx, ep, dp")
+        return self
+
+    @property
+    def ctx(self) -> int:
+        """Size of one context group: the ranks that share one sequence."""
+        return max(self.cp, self.bp)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.ep * self.ctx
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the clean sequence inside a context group (bp / cp; pure BP: bp)."""
+        return self.bp // self.cp if self.bp > 1 else 1
+
+    @property
+    def kind(self) -> PlanKind:
+        if self.cp > 1 and self.bp > 1:
+            return "csbp"
+        if self.cp > 1:
+            return "cp"
+        if self.bp > 1:
+            return "bp"
+        return "dp" if self.world > 1 else "single"
+
+    @property
+    def sequences(self) -> int:
+        """Sequences processed at once: one per (dp, ep) replica of the context group."""
+        return self.dp * self.ep
+
+    def axes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def label(self) -> str:
+        """Short text like 'dp=2,cp=8,bp=8' (axes of degree 1 left out)."""
+        parts = [f"{a}={v}" for a, v in self.axes().items() if v > 1]
+        return ",".join(parts) or "dp=1"
+
+    def check_against(self, model: ModelSpec, workload: Workload, world: int | None = None) -> None:
+        """Rules that need the model and workload; raises InputError naming the rule."""
+        if world is not None and self.world != world:
+            raise InputError(
+                f"world = dp*tp*ep*max(cp,bp) = {self.dp}*{self.tp}*{self.ep}*{self.ctx} = "
+                f"{self.world}, but the cluster has {world} GPUs")
+        if self.ep > 1 and not model.is_moe:
+            raise InputError(f"ep={self.ep} needs a MoE model; {model.name} is dense")
+        if model.moe and model.moe.n_experts % self.ep:
+            raise InputError(f"ep={self.ep} does not divide the {model.moe.n_experts} experts")
+        for layer in model.layers:
+            if layer.kind != "linear" and layer.n_heads % self.tp:
+                raise InputError(f"tp={self.tp} does not divide {layer.n_heads} attention heads")
+            if layer.kind == "linear" and layer.n_kv_heads % self.tp:
+                raise InputError(f"tp={self.tp} does not divide {layer.n_kv_heads} linear-attention key heads")
+        L, b = workload.seq_len, workload.block_size
+        if self.kind == "cp" and L % self.cp:
+            raise InputError(f"CP zigzag needs seq-len divisible by cp (2L into 2*cp chunks): "
+                             f"{L} % {self.cp} != 0")
+        if self.kind == "csbp" and L % (2 * self.cp):
+            raise InputError(f"clean zigzag needs seq-len divisible by 2*cp: {L} % {2 * self.cp} != 0")
+        if self.bp > workload.n_blocks:
+            raise InputError(f"bp={self.bp} exceeds the {workload.n_blocks} blocks of seq-len {L} / "
+                             f"block-size {b}: some ranks would own no block")
+
+
+def parse_plan(text: str, **options: object) -> Plan:
+    """'dp=2,cp=8,bp=8' -> Plan. Unknown axes and bad numbers are InputErrors."""
+    degrees: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in AXES:
+            raise InputError(f"bad plan term {part!r}: use axis=degree with axes {', '.join(AXES)}")
+        try:
+            degrees[key] = int(value)
+        except ValueError:
+            raise InputError(f"bad degree in {part!r}: not an integer") from None
+        if degrees[key] < 1:
+            raise InputError(f"bad degree in {part!r}: must be >= 1")
+    try:
+        return Plan(**degrees, **options)
+    except ValueError as err:
+        raise InputError(one_line(err)) from None
+
+
+def one_line(err: Exception) -> str:
+    """A pydantic ValidationError (or any error) as a single readable line."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        msgs = []
+        for e in errors():
+            loc = ".".join(str(p) for p in e.get("loc", ()))
+            msg = str(e.get("msg", "")).removeprefix("Value error, ")
+            msgs.append(f"{loc}: {msg}" if loc else msg)
+        return "; ".join(msgs)
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -1,0 +1,59 @@
+"""Half-open integer ranges [start, stop) and the few set operations the layout needs.
+
+Kept as plain tuples so layouts hash, compare and serialise trivially.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+Span = tuple[int, int]
+
+
+def normalize(spans: Iterable[Span]) -> tuple[Span, ...]:
+    """Sorted, non-empty, with touching or overlapping spans merged."""
+    out: list[list[int]] = []
+    for start, stop in sorted(s for s in spans if s[1] > s[0]):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], stop)
+        else:
+            out.append([start, stop])
+    return tuple((a, b) for a, b in out)
+
+
+def intersect(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
+    a, b = normalize(a), normalize(b)
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tuple(out)
+
+
+def subtract(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
+    out: list[Span] = []
+    b = normalize(b)
+    for start, stop in normalize(a):
+        cur = start
+        for lo, hi in b:
+            if hi <= cur or lo >= stop:
+                continue
+            if lo > cur:
+                out.append((cur, lo))
+            cur = max(cur, hi)
+        if cur < stop:
+            out.append((cur, stop))
+    return tuple(out)
+
+
+def size(spans: Iterable[Span]) -> int:
+    return sum(stop - start for start, stop in spans)
+
+
+def shift(spans: Iterable[Span], offset: int) -> tuple[Span, ...]:
+    return tuple((a + offset, b + offset) for a, b in spans)

@@ -1,0 +1,65 @@
+"""What one training step does: context, block size, objective, batch, precision, memory policy.
+
+The objective is a seam: BD3-LM is the reference mask (noisy block -> its own block and earlier
+clean blocks; clean block -> clean blocks up to itself). Other objectives change how many views
+and passes a step runs, not the layout machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+Objective = Literal["bd3lm", "fast-dllm-v2", "diffusiongemma", "dflash2"]
+Checkpointing = Literal["full", "none"]
+DType = Literal["bf16", "fp16", "fp32"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def parse_tokens(text: str | int) -> int:
+    """'256k' -> 262144, '1m' -> 1048576, '4096' -> 4096 (powers of two, as context lengths are)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower()
+    scale = 1
+    if s.endswith("k"):
+        scale, s = 1024, s[:-1]
+    elif s.endswith("m"):
+        scale, s = 1024 * 1024, s[:-1]
+    try:
+        value = int(s) * scale
+    except ValueError:
+        raise ValueError(f"not a token count: {text!r} (use e.g. 4096, 256k, 1m)") from None
+    return value
+
+
+class Workload(BaseModel):
+    """One step of block-diffusion training of one model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq_len: PositiveInt  # context L (clean tokens); the model sees 2L for BD3-LM
+    block_size: PositiveInt = 256
+    objective: Objective = "bd3lm"
+    micro_batch: PositiveInt = 1  # sequences per replica per step
+    dtype: DType = "bf16"
+    checkpointing: Checkpointing = "full"
+    zero_stage: int = Field(2, ge=0, le=3)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Workload":
+        if self.seq_len % self.block_size:
+            raise ValueError(
+                f"seq-len {self.seq_len} is not a multiple of block-size {self.block_size}"
+            )
+        return self
+
+    @property
+    def n_blocks(self) -> int:
+        return self.seq_len // self.block_size
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
