@@ -1,0 +1,87 @@
+"""Workload and plan flags shared by `csbp simulate`, `csbp plan` and `csbp run`.
+
+One parser for the same question asked three ways, so the flags mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from simulator.errors import InputError
+from simulator.plan import Plan, one_line, parse_plan
+from simulator.presets import load_model
+from simulator.spec import ModelSpec
+from simulator.workload import Workload, parse_tokens
+
+DEFAULT_MODEL = "nemotron-diffusion-8b"
+DEFAULT_HARDWARE = "h200"
+DEFAULT_NODES = 2
+DEFAULT_SEQ_LEN = "256k"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    model: ModelSpec
+    workload: Workload
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """Model and workload flags. With `defaults`, they default to the built-in job."""
+    p.add_argument("--model", default=DEFAULT_MODEL if defaults else None,
+                   help="preset name or path to a Hugging Face config.json")
+    p.add_argument("--seq-len", default=DEFAULT_SEQ_LEN if defaults else None,
+                   help="context length L, e.g. 4096, 256k, 1m")
+    p.add_argument("--block-size", type=int, default=256, help="diffusion block size b")
+    p.add_argument("--objective", default=None,
+                   help="bd3lm | fast-dllm-v2 | diffusiongemma | dflash2 (default: the model's)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per replica")
+    p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
+    p.add_argument("--checkpointing", default="full", help="activation checkpointing: full | none")
+    p.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3")
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="profile name or YAML path")
+    p.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="number of nodes")
+
+
+def add_plan_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    p.add_argument("--plan", required=required, default=None,
+                   help="degrees, e.g. dp=2,cp=8,bp=8 (axes dp, tp, ep, cp, bp)")
+    p.add_argument("--transport", default="collective", help="collective | ring")
+    p.add_argument("--schedule", default="dual-end", help="dual-end | contiguous")
+    p.add_argument("--placement", default=None, help="axes innermost first, e.g. tp,ctx,ep,dp")
+
+
+def default_objective(model: ModelSpec) -> str:
+    """Each preset trains with the objective of its study (workloads.md)."""
+    name = model.name
+    if name.startswith(("qwen3.5", "qwen3.8")):
+        return "fast-dllm-v2"
+    if name.startswith("diffusiongemma"):
+        return "diffusiongemma"
+    if name.startswith("dflash"):
+        return "dflash2"
+    return "bd3lm"
+
+
+def inputs_from_args(args: argparse.Namespace) -> Inputs:
+    model = load_model(args.model)
+    try:
+        workload = Workload(
+            seq_len=parse_tokens(args.seq_len), block_size=args.block_size,
+            objective=args.objective or default_objective(model), micro_batch=args.micro_batch,
+            dtype=args.dtype, checkpointing=args.checkpointing, zero_stage=args.zero)
+    except (ValidationError, ValueError) as err:
+        raise InputError(one_line(err)) from None
+    return Inputs(model, workload)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    options = {"transport": args.transport, "schedule": args.schedule}
+    if args.placement:
+        options["placement"] = args.placement
+    return parse_plan(args.plan or "", **options)

@@ -1,0 +1,1 @@
+"""One module per `csbp` subcommand (see simulator/cli.py)."""

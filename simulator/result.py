@@ -1,0 +1,57 @@
+"""What a simulation returns: one record per (model, workload, plan, cluster).
+
+An infeasible plan is a normal result (`feasible=False`, `reason` says why, with numbers);
+bad input never gets this far (it is an InputError). `to_json()` is the object every command's
+`--json` prints, so its keys are a public contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One op on one stream of one (representative) rank, for Perfetto/Chrome traces."""
+
+    rank: int
+    stream: str  # "compute" | "comm" | ...
+    name: str
+    start_s: float
+    duration_s: float
+    phase: str = ""  # forward | recompute | backward | grad-sync | optimizer
+    category: str = ""  # attention-kv | gradients | tp | ep | other | compute
+
+
+@dataclass
+class Result:
+    feasible: bool
+    reason: str | None
+    model: str
+    hardware: str
+    nodes: int
+    gpus: int
+    plan: dict[str, Any]  # axes + transport + schedule + placement + kind
+    workload: dict[str, Any]
+    engine: str  # "des" | "closed-form"
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None  # context tokens L x sequences per step / step time
+    peak_memory_gib: float | None = None  # max over ranks
+    memory_gib: dict[str, float] = field(default_factory=dict)  # breakdown on the peak rank
+    memory_per_rank_gib: list[float] = field(default_factory=list)  # context-group ranks
+    attention_traffic_gib_per_gpu: float = 0.0  # K/V + dK/dV received per step, max over ranks
+    comm_gib_per_gpu: dict[str, float] = field(default_factory=dict)  # by category, received
+    exposed_comm_s: float | None = None  # communication time not hidden behind compute
+    phases_s: dict[str, float] = field(default_factory=dict)  # time by phase on the critical rank
+    flops_per_gpu: float = 0.0
+    mfu: float | None = None
+    notes: list[str] = field(default_factory=list)  # assumptions that shaped this result
+    trace: list[TraceEvent] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("trace")
+        return out
