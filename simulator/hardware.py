@@ -1,0 +1,223 @@
+"""What the machine can do: GPU compute and memory, NVLink and InfiniBand, each figure with a source.
+
+A profile is a YAML file in `hardware_profiles/` (or anywhere, by path). Every number in it is
+written `{value: ..., source: "..."}` so a plan's cost can always be traced back to a datasheet,
+a public measurement, an explicit assumption, or our own calibration run. The loaded
+`HardwareProfile` holds plain numbers; the sources sit in `profile.sources` by dotted path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from simulator.errors import InputError
+from simulator.plan import one_line
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
+
+
+class _Figure:
+    """Marks a field whose YAML form is `{value: ..., source: ...}`."""
+
+
+FIGURE = _Figure()
+
+Positive = Annotated[float, Field(gt=0, strict=True), FIGURE]
+Count = Annotated[int, Field(gt=0, strict=True), FIGURE]
+Fraction = Annotated[float, Field(gt=0, le=1, strict=True), FIGURE]
+
+
+def _increasing(curve: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+    xs = [x for x, _ in curve]
+    if any(a >= b for a, b in zip(xs, xs[1:])):
+        raise ValueError(f"curve x values must be strictly increasing, got {xs}")
+    return curve
+
+
+# (x, y) points with x strictly increasing: x > 0 because curves are read in log10(x).
+_X = Annotated[float, Field(gt=0, strict=True)]
+_Y = Annotated[float, Field(gt=0, le=1, strict=True)]
+Curve = Annotated[tuple[tuple[_X, _Y], ...], Field(min_length=1), AfterValidator(_increasing), FIGURE]
+
+
+def interpolate(curve: Sequence[Sequence[float]], x: float, log_x: bool = True) -> float:
+    """y at x on a piecewise-linear curve (in log10(x) by default), clamped to the end points.
+
+    Efficiencies change by orders of magnitude of size, hence log10; outside the measured range
+    we do not extrapolate a trend we have no data for.
+    """
+    xs = [p[0] for p in curve]
+    if x <= xs[0]:
+        return curve[0][1]
+    if x >= xs[-1]:
+        return curve[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    f = math.log10 if log_x else float
+    t = (f(x) - f(x0)) / (f(x1) - f(x0))
+    return y0 + t * (y1 - y0)
+
+
+class GPU(BaseModel):
+    """One accelerator: capacity, peaks, and how much of the peaks real kernels reach."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    memory_gib: Positive  # HBM capacity
+    reserved_gib: Annotated[float, Field(ge=0, strict=True), FIGURE]  # context, NCCL, fragmentation
+    peak_tflops: Positive  # dense bf16 tensor peak
+    hbm_gbs: Positive
+    hbm_efficiency: Fraction  # fraction of hbm_gbs memory-bound kernels reach
+    gemm_efficiency: Curve  # [GFLOP per op, fraction of peak]
+    attention_forward_efficiency: Curve  # [tile length in tokens, fraction of peak]
+    attention_backward_efficiency: Curve
+    masked_attention_efficiency_factor: Fraction  # multiplier for partially masked tiles
+
+    @model_validator(mode="after")
+    def _fits(self) -> "GPU":
+        if self.reserved_gib >= self.memory_gib:
+            raise ValueError(f"reserved_gib={self.reserved_gib} leaves no memory of {self.memory_gib} GiB")
+        return self
+
+    @property
+    def usable_gib(self) -> float:
+        """Memory left for weights, optimizer state and activations."""
+        return self.memory_gib - self.reserved_gib
+
+
+class Node(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus_per_node: Count
+
+
+class Link(BaseModel):
+    """One fabric as NCCL sees it from one GPU: asymptotic bandwidths plus alpha terms (GB/s, µs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    collective_gbs: Positive  # ring bus bandwidth per GPU for all-gather / reduce-scatter / all-reduce
+    p2p_gbs: Positive  # send/recv per GPU pair: lower than collective_gbs (fewer NCCL channels)
+    alltoall_gbs: Positive  # per GPU
+    call_latency_us: Positive  # base cost of one collective call
+    step_latency_us: Positive  # added per ring step
+    p2p_latency_us: Positive  # one send/recv
+    size_efficiency: Curve  # [bytes per rank, fraction of the asymptotic bandwidth]
+
+    def bandwidth_fraction(self, bytes_per_rank: float) -> float:
+        """Fraction of the asymptotic bandwidth reached when each rank moves `bytes_per_rank`."""
+        return interpolate(self.size_efficiency, bytes_per_rank)
+
+
+class Links(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nvlink: Link  # inside a node (NVSwitch)
+    infiniband: Link  # across nodes, per GPU (one NIC per GPU)
+
+
+class HardwareProfile(BaseModel):
+    """A cluster's hardware: one GPU type, a node shape and two fabrics."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    kind: Literal["datasheet", "measured"]
+    host: str | None = None
+    date: str | None = None
+    notes: str
+    gpu: GPU
+    node: Node
+    links: Links
+    sources: dict[str, str] = Field(default_factory=dict)  # dotted field path -> source, filled on load
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unwrap_figures(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "sources" in data:
+            raise ValueError("sources is filled from the {value, source} figures; do not write it")
+        sources: dict[str, str] = {}
+        return {**_unwrap(cls, data, "", sources), "sources": sources}
+
+    def gemm_efficiency(self, gflop: float) -> float:
+        """Fraction of peak a GEMM of `gflop` GFLOP reaches (small GEMMs cannot fill the GPU)."""
+        return interpolate(self.gpu.gemm_efficiency, gflop)
+
+    def attention_efficiency(self, tile_len: float, backward: bool, masked: bool = False) -> float:
+        """Fraction of peak a FlashAttention call on `tile_len`-token tiles reaches.
+
+        Ring and block attention cut attention into tiles of length S/P, so their speed depends on
+        the tile, not on the whole sequence; `masked` tiles (causal diagonal) also waste work.
+        """
+        gpu = self.gpu
+        curve = gpu.attention_backward_efficiency if backward else gpu.attention_forward_efficiency
+        factor = gpu.masked_attention_efficiency_factor if masked else 1.0
+        return interpolate(curve, tile_len) * factor
+
+    def link(self, name: str) -> Link:
+        """`nvlink` or `infiniband`."""
+        if name not in Links.model_fields:
+            raise InputError(f"unknown link {name!r}: use one of {', '.join(Links.model_fields)}")
+        return getattr(self.links, name)
+
+
+def _unwrap(cls: type[BaseModel], data: dict, prefix: str, sources: dict[str, str]) -> dict:
+    """Replace each `{value, source}` figure of `data` by its value, recording the source.
+
+    Walks the model's fields, so any figure added to a model gets the same treatment. Missing or
+    mistyped sections are left for pydantic to report.
+    """
+    out = dict(data)
+    for key, field in cls.model_fields.items():
+        if key not in data:
+            continue
+        path, value = prefix + key, data[key]
+        if FIGURE in field.metadata:
+            if not isinstance(value, dict) or set(value) != {"value", "source"}:
+                raise ValueError(f"{path}: write as {{value: <number>, source: <where it came from>}}")
+            if not isinstance(value["source"], str) or not value["source"].strip():
+                raise ValueError(f"{path}: source must be a non-empty string")
+            out[key], sources[path] = value["value"], value["source"].strip()
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) \
+                and isinstance(value, dict):
+            out[key] = _unwrap(field.annotation, value, path + ".", sources)
+    return out
+
+
+def list_profiles() -> list[str]:
+    """Names of the profiles shipped in `hardware_profiles/`."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name (`h100`, `h200`, ...) or any profile YAML by path."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+            raise InputError(f"{path}: no such hardware profile file")
+        if name_or_path not in list_profiles():
+            raise InputError(f"unknown hardware profile {name_or_path!r}: use one of "
+                             f"{', '.join(list_profiles())} or a path to a YAML file")
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise InputError(f"{path}: malformed YAML: {' '.join(str(err).split())}") from None
+    except OSError as err:
+        raise InputError(f"{path}: cannot read: {err.strerror}") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{path}: a hardware profile must be a YAML mapping")
+    try:
+        return HardwareProfile.model_validate(raw)
+    except ValidationError as err:
+        raise InputError(f"{path}: {one_line(err)}") from None
