@@ -1,0 +1,189 @@
+"""`csbp plan`: which topology to launch on this cluster, why, and the file that launches it."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN,
+                                add_cluster_args, add_workload_args, inputs_from_args)
+from simulator.errors import InputError
+from simulator.hardware import load_profile
+from simulator.planner import describe, fmt_tokens, plan_of, search
+from simulator.report import fmt_time, print_json
+from simulator.result import Result
+
+DEFAULT_JOB = "Nemotron-Labs-Diffusion 8B at 256K on 2 x 8 H200"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="search every topology and recommend the fastest that fits",
+                       description="Enumerate every valid dp/tp/ep/cp/bp topology x transport x "
+                                   "checkpointing x block schedule for the cluster, screen them with "
+                                   "the closed form, re-simulate the best with the event engine and "
+                                   f"rank by tokens/s. With no flags: {DEFAULT_JOB}.")
+    add_workload_args(p)
+    add_cluster_args(p)
+    p.set_defaults(checkpointing=None)  # searched unless given
+    p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
+    p.add_argument("--engine", default="des", choices=["des", "closed-form"],
+                   help="engine of the final ranking (closed-form: screen only, fastest)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", metavar="PLAN_JSON", help="write the recommended plan file for "
+                   "`csbp run --plan` and `torchrun -m runtime.train --plan`")
+    p.set_defaults(func=run)
+
+
+def is_default_job(args: argparse.Namespace) -> bool:
+    return (args.model, args.seq_len, args.hardware, args.nodes) == (
+        DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_HARDWARE, DEFAULT_NODES)
+
+
+def torchrun_command(nodes: int, gpus_per_node: int, plan_file: str) -> str:
+    """How to launch the plan file on every node of the cluster."""
+    rendezvous = ("--standalone" if nodes == 1 else
+                  f"--nnodes {nodes} --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500")
+    return f"torchrun {rendezvous} --nproc-per-node {gpus_per_node} -m runtime.train --plan {plan_file}"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise InputError(f"--top {args.top}: must be at least 1")
+    searched = {"checkpointing": (args.checkpointing,)} if args.checkpointing else {}
+    inputs = inputs_from_args(argparse.Namespace(**vars(args) | {"checkpointing": args.checkpointing or "full"}))
+    profile = load_profile(args.hardware)
+    log = Console(stderr=args.json)  # with --json, stdout holds only the JSON object
+    header = (f"Planning {inputs.model.name} at {fmt_tokens(inputs.workload.seq_len)} on {args.nodes} x "
+              f"{profile.node.gpus_per_node} {profile.gpu.name}")
+    if is_default_job(args):
+        header += f" — the built-in default job ({DEFAULT_JOB}); see --help to plan another"
+    log.print(header, highlight=False)
+    found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
+                   **searched)
+    command = None
+    if args.out:
+        from simulator.planner import write_plan_file
+
+        write_plan_file(found, args.out)
+        command = torchrun_command(args.nodes, profile.node.gpus_per_node, args.out)
+    if args.json:
+        print_json(_json(found, args, command))
+    else:
+        _print(found, args, command)
+    return 0
+
+
+def _with_speedup(r: Result, base: Result | None) -> dict:
+    out = r.to_json()
+    out["speedup_over_baseline"] = r.tokens_per_s / base.tokens_per_s if base else None
+    return out
+
+
+def _json(found, args: argparse.Namespace, command: str | None) -> dict:
+    base = found.baseline
+    return {
+        "default_job": is_default_job(args),
+        "recommended": _with_speedup(found.recommended, base),
+        "baseline": _with_speedup(base, base) if base else None,
+        "speedup": found.speedup,
+        "candidates": [_with_speedup(r, base) for r in found.ranked[:args.top]],
+        "infeasible": [g.to_json() for g in found.infeasible],
+        "search": {"candidates": found.candidates, "evaluations": found.evaluations,
+                   "seconds": found.seconds, "engine": found.engine},
+        "plan_file": args.out,
+        "torchrun": command,
+    }
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} GiB"
+
+
+def _summary(r: Result) -> str:
+    return (f"{r.tokens_per_s:,.0f} tokens/s, step {fmt_time(r.step_time_s)}, peak memory "
+            f"{_gib(r.peak_memory_gib)}, attention traffic {r.attention_traffic_gib_per_gpu:.2f} GiB/GPU, "
+            f"exposed communication {fmt_time(r.exposed_comm_s)}")
+
+
+def _why(found) -> list[str]:
+    """What makes the recommendation win, in the simulator's own figures."""
+    rec, base = found.recommended, found.baseline
+    if base is None:
+        return ["no plan without block parallelism fits: BP is what makes this job possible"]
+    if base is rec:
+        return ["no block-parallel plan beats it on this cluster"]
+    reasons = [f"{found.speedup:.2f}x the baseline's tokens/s"]
+    if rec.attention_traffic_gib_per_gpu < base.attention_traffic_gib_per_gpu:
+        ratio = base.attention_traffic_gib_per_gpu / max(rec.attention_traffic_gib_per_gpu, 1e-9)
+        reasons.append(f"{ratio:.1f}x less attention traffic per GPU" if rec.attention_traffic_gib_per_gpu
+                       else "no attention traffic at all")
+    if rec.exposed_comm_s is not None and base.exposed_comm_s is not None \
+            and rec.exposed_comm_s < base.exposed_comm_s:
+        reasons.append(f"exposed communication {fmt_time(rec.exposed_comm_s)} vs "
+                       f"{fmt_time(base.exposed_comm_s)}")
+    usable = found.profile.gpu.usable_gib
+    reasons.append(f"peak memory {_gib(rec.peak_memory_gib)} of {usable:.0f} GiB usable")
+    return reasons
+
+
+def _label(r: Result) -> str:
+    return describe(plan_of(r), r.workload["checkpointing"])
+
+
+def _print(found, args: argparse.Namespace, command: str | None) -> None:
+    console = Console()
+    rec, base = found.recommended, found.baseline
+    console.print(f"\n[bold green]Recommended[/]: [bold]{_label(rec)}[/] ({rec.plan['kind']})",
+                  highlight=False)
+    console.print(f"  {_summary(rec)}", highlight=False)
+    console.print(f"  why: {'; '.join(_why(found))}", highlight=False)
+    if base is not None:
+        console.print(f"[bold]Baseline[/] (best without BP): {_label(base)} ({base.plan['kind']})",
+                      highlight=False)
+        console.print(f"  {_summary(base)}", highlight=False)
+        console.print(f"  speedup of the recommendation: [bold]{found.speedup:.2f}x[/]", highlight=False)
+    else:
+        console.print("[bold]Baseline[/]: none — every plan without BP is infeasible")
+    console.print(_ranking(found, args.top))
+    if found.infeasible:
+        console.print(_infeasible(found))
+    console.print(f"[dim]searched {found.candidates} candidates ({found.evaluations} evaluations) "
+                  f"in {found.seconds:.2f} s[/dim]")
+    if command:
+        console.print(f"\nplan file written to {args.out}; launch on each node with:\n  {command}",
+                      highlight=False, soft_wrap=True)
+
+
+def _ranking(found, top: int) -> Table:
+    base = found.baseline
+    table = Table(title=f"Top {min(top, len(found.ranked))} of {len(found.ranked)} feasible candidates")
+    table.add_column("#", justify="right")
+    table.add_column("plan", no_wrap=True)
+    table.add_column("choices")
+    for col in ("tokens/s", "vs base", "step", "peak mem", "attn/GPU", "exposed"):
+        table.add_column(col, justify="right")
+    table.add_column("engine")
+    for i, r in enumerate(found.ranked[:top], 1):
+        plan = plan_of(r)
+        choices = [c for c, used in ((plan.transport, plan.cp > 1), (plan.schedule, plan.bp > 1)) if used]
+        choices.append(f"ckpt {r.workload['checkpointing']}")
+        table.add_row(str(i), plan.label() + (" [dim](baseline)[/dim]" if r is base else ""),
+                      ", ".join(choices), f"{r.tokens_per_s:,.0f}",
+                      f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-",
+                      fmt_time(r.step_time_s), _gib(r.peak_memory_gib),
+                      f"{r.attention_traffic_gib_per_gpu:.2f} GiB", fmt_time(r.exposed_comm_s), r.engine)
+    return table
+
+
+def _infeasible(found) -> Table:
+    table = Table(title="Infeasible, grouped by reason")
+    table.add_column("reason")
+    table.add_column("count", justify="right")
+    table.add_column("for example")
+    for g in found.infeasible:
+        more = f" (+{len(g.plans) - 2} more)" if len(g.plans) > 2 else ""
+        table.add_row(g.reason, str(len(g.plans)), ", ".join(g.plans[:2]) + more + f"\n[dim]{g.example}[/dim]")
+    return table
+

@@ -1,0 +1,255 @@
+"""The planner: every topology of a cluster, ranked by predicted tokens/s.
+
+Two engines, because they answer different questions cheaply: the closed form scores every
+candidate in microseconds-to-milliseconds, the discrete-event engine models overlap and queueing
+and re-scores only the few candidates that can still win. A recommendation is only meaningful next
+to what users would launch without block parallelism, so the best plan with bp == 1 is kept as the
+*baseline*, scored by the same engine as the recommendation.
+
+Candidates that break a plan rule, or that the simulator finds infeasible (memory, ...), are kept
+and grouped by a normalised reason, so the user sees why a topology is missing from the ranking.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import product
+from typing import get_args
+
+from simulator.errors import InputError
+from simulator.hardware import HardwareProfile
+from simulator.plan import Plan, Schedule, Transport, one_line
+from simulator.result import Result
+from simulator.spec import ModelSpec
+from simulator.workload import Checkpointing, Workload
+
+FAMILIES = ("dp", "cp", "bp", "csbp")  # how plots and tables group plans (single GPU counts as dp)
+DES_TOP = 6  # best screened candidates re-simulated with the event engine ...
+DES_PER_FAMILY = 2  # ... plus the best few of each family, so family comparisons are like for like
+
+
+def fmt_tokens(n: int) -> str:
+    """262144 -> '256K', 1048576 -> '1M' (context lengths as people say them)."""
+    for unit, size in (("M", 1024**2), ("K", 1024)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def family(plan: dict | Plan) -> str:
+    kind = plan.kind if isinstance(plan, Plan) else plan["kind"]
+    return "dp" if kind == "single" else kind
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space: a plan and the workload it runs (checkpointing varies)."""
+
+    plan: Plan
+    workload: Workload
+
+    @property
+    def label(self) -> str:
+        return describe(self.plan, self.workload.checkpointing)
+
+
+def plan_of(result: Result) -> Plan:
+    """The Plan a result was simulated for (results carry it as a JSON-ready dict)."""
+    return Plan(**{k: v for k, v in result.plan.items() if k in Plan.model_fields})
+
+
+def describe(p: Plan, checkpointing: str) -> str:
+    """'dp=2,cp=8,bp=8 collective dual-end ckpt=full': every choice the planner made, in one line."""
+    parts = [p.label()]
+    if p.cp > 1:
+        parts.append(p.transport)
+    if p.bp > 1:
+        parts.append(p.schedule)
+    parts.append(f"ckpt={checkpointing}")
+    return " ".join(parts)
+
+
+@dataclass
+class InfeasibleGroup:
+    """Candidates that fail for the same reason (numbers stripped), with one full example."""
+
+    reason: str
+    example: str  # the first full message, numbers included
+    plans: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"reason": self.reason, "count": len(self.plans), "example": self.example,
+                "plans": self.plans}
+
+
+def reason_group(reason: str, rule: bool) -> str:
+    """Normalise a reason so that candidates failing the same way share one group.
+
+    Memory is one group whatever the numbers; other reasons keep their words but lose degrees,
+    sizes and the detail after ':' or ';' (model names, arithmetic), e.g.
+    'tp=16 does not divide 32 attention heads' -> 'rule: tp does not divide N attention heads'.
+    """
+    if re.search(r"memory|\boom\b", reason, re.IGNORECASE):
+        return "memory"
+    text = re.split(r"[:;]", re.sub(r"\([^)]*\)", "", reason))[0]
+    text = re.sub(r"\b(dp|tp|ep|cp|bp)\s*=\s*\d+", r"\1", text)
+    text = re.sub(r"\d+(\.\d+)?", "N", text)
+    text = " ".join(text.split())
+    return f"rule: {text}" if rule else text
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Space:
+    """The enumerated search space: valid candidates and the rule violations, grouped."""
+
+    candidates: list[Candidate]
+    rejected: dict[str, InfeasibleGroup]
+
+    def reject(self, label: str, reason: str, rule: bool) -> None:
+        key = reason_group(reason, rule)
+        self.rejected.setdefault(key, InfeasibleGroup(key, reason)).plans.append(label)
+
+
+def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
+                    checkpointing: tuple[str, ...] = get_args(Checkpointing)) -> Space:
+    """Every (dp, tp, ep, cp, bp) with dp*tp*ep*max(cp, bp) == gpus, times the choices that matter.
+
+    Transport only changes plans that exchange clean K/V (cp > 1); the block schedule only changes
+    plans that own noisy blocks (bp > 1); elsewhere the default stands in, so no two candidates
+    are the same computation.
+    """
+    space = Space([], {})
+    divisors = _divisors(gpus)
+    for tp, ep, cp, bp in product(divisors, repeat=4):
+        inner = tp * ep * max(cp, bp)
+        if gpus % inner:
+            continue
+        degrees = {"dp": gpus // inner, "tp": tp, "ep": ep, "cp": cp, "bp": bp}
+        label = ",".join(f"{a}={v}" for a, v in degrees.items() if v > 1) or "dp=1"
+        try:
+            plan = Plan(**degrees)
+            plan.check_against(model, workload, gpus)
+        except InputError as err:
+            space.reject(label, str(err), rule=True)
+            continue
+        except ValueError as err:  # a Plan rule (pydantic ValidationError)
+            space.reject(label, one_line(err), rule=True)
+            continue
+        transports = get_args(Transport) if plan.cp > 1 else (plan.transport,)
+        schedules = get_args(Schedule) if plan.bp > 1 else (plan.schedule,)
+        for transport, schedule, ckpt in product(transports, schedules, checkpointing):
+            space.candidates.append(Candidate(
+                plan.model_copy(update={"transport": transport, "schedule": schedule}),
+                workload.model_copy(update={"checkpointing": ckpt})))
+    return space
+
+
+@dataclass
+class Search:
+    """What the planner found: feasible results best first, and the infeasible ones grouped."""
+
+    model: ModelSpec
+    workload: Workload
+    profile: HardwareProfile
+    nodes: int
+    ranked: list[Result]  # event-engine results first (best first), then closed-form only ones
+    infeasible: list[InfeasibleGroup]
+    candidates: int  # size of the enumerated space (valid topologies x choices)
+    evaluations: int
+    seconds: float
+    engine: str
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.profile.node.gpus_per_node
+
+    @property
+    def recommended(self) -> Result:
+        return self.ranked[0]
+
+    @property
+    def baseline(self) -> Result | None:
+        """The best plan without block parallelism, scored like the recommendation."""
+        return next((r for r in self.ranked if r.plan["bp"] == 1 and r.engine == self.engine), None)
+
+    @property
+    def speedup(self) -> float | None:
+        base = self.baseline
+        return self.recommended.tokens_per_s / base.tokens_per_s if base else None
+
+    def best_per_family(self) -> dict[str, Result]:
+        best: dict[str, Result] = {}
+        for r in self.ranked:
+            if r.engine == self.engine:
+                best.setdefault(family(r.plan), r)
+        return best
+
+
+def _tokens(r: Result) -> float:
+    return r.tokens_per_s or 0.0
+
+
+def _to_rescore(screened: list[tuple[Candidate, Result]], top: int) -> list[int]:
+    """Indices (into screened, best first) of the candidates worth the event engine."""
+    chosen = list(range(min(top, len(screened))))
+    seen: dict[str, int] = {}
+    for i, (cand, _) in enumerate(screened):
+        for key in (family(cand.plan), "no-bp" if cand.plan.bp == 1 else None):
+            if key and seen.get(key, 0) < DES_PER_FAMILY:
+                seen[key] = seen.get(key, 0) + 1
+                if i not in chosen:
+                    chosen.append(i)
+    return chosen
+
+
+def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
+           engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
+           des_top: int = DES_TOP) -> Search:
+    """Screen every candidate with the closed form, re-score the best with `engine`, rank.
+
+    `engine="closed-form"` skips the second stage (sweeps and tests). Raises InputError for an impossible cluster or when nothing
+    fits.
+    """
+    from simulator.simulate import simulate
+
+    if nodes < 1:
+        raise InputError(f"impossible cluster: {nodes} nodes (need at least 1)")
+    start = time.perf_counter()
+    gpus = nodes * profile.node.gpus_per_node
+    space = enumerate_space(model, workload, gpus, checkpointing)
+    groups = dict(space.rejected)
+
+    def evaluate(cands: list[Candidate], eng: str) -> Iterator[tuple[Candidate, Result]]:
+        for cand in cands:
+            result = simulate(model, cand.workload, cand.plan, profile, nodes, engine=eng)
+            if result.feasible:
+                yield cand, result
+            else:
+                key = reason_group(result.reason or "infeasible", rule=False)
+                groups.setdefault(key, InfeasibleGroup(key, result.reason or "infeasible")) \
+                    .plans.append(f"{cand.label} ({eng})")
+
+    screened = sorted(evaluate(space.candidates, "closed-form"), key=lambda cr: -_tokens(cr[1]))
+    evaluations = len(space.candidates)
+    ranked = [r for _, r in screened]
+    if engine != "closed-form" and screened:
+        picks = _to_rescore(screened, des_top)
+        rescored = sorted((r for _, r in evaluate([screened[i][0] for i in picks], engine)),
+                          key=lambda r: -_tokens(r))
+        evaluations += len(picks)
+        picked = set(picks)
+        ranked = rescored + [r for i, (_, r) in enumerate(screened) if i not in picked]
+    infeasible = sorted(groups.values(), key=lambda g: -len(g.plans))
+    if not ranked or ranked[0].engine != engine:
+        summary = "; ".join(f"{g.reason} ({len(g.plans)})" for g in infeasible[:3])
+        raise InputError(f"nothing feasible for {model.name} at {fmt_tokens(workload.seq_len)} on "
+                         f"{gpus} GPUs ({len(space.candidates)} candidates): {summary}")
+    return Search(model, workload, profile, nodes, ranked, infeasible, len(space.candidates), evaluations,
+                  time.perf_counter() - start, engine)
