@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 
 import pandas as pd
@@ -143,21 +144,23 @@ def _context_axis(ax, seq_lens) -> None:
 
 
 def _per_family(df: pd.DataFrame, column: str, ylabel: str, path: Path, hline: float | None = None) -> Path:
-    """One panel per (model, GPU count): `column` vs context, a line per plan family."""
+    """A panel per model (rows) and GPU count (columns): `column` vs context, a line per family."""
     import matplotlib.pyplot as plt
 
-    panels = list(df.groupby(["model", "gpus"], sort=False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
-    for ax, ((model, gpus), sub) in zip(axes[0], panels):
+    models, counts = list(dict.fromkeys(df.model)), sorted(df.gpus.unique())
+    fig, axes = plt.subplots(len(models), len(counts), figsize=(4.5 * len(counts), 3.4 * len(models)),
+                             squeeze=False)
+    for (i, model), (j, gpus) in product(enumerate(models), enumerate(counts)):
+        ax, sub = axes[i][j], df[(df.model == model) & (df.gpus == gpus)]
         for fam in FAMILIES:
             line = sub[(sub.family == fam) & sub.feasible].sort_values("seq_len")
             if not line.empty:
                 ax.plot(line.seq_len, line[column], "o-", label=fam, color=FAMILY_COLORS[fam])
         if hline is not None:
             ax.axhline(hline, color="red", ls="--", lw=1, label="usable memory")
-        _context_axis(ax, sub.seq_len.unique())
+        _context_axis(ax, df.seq_len.unique())
         ax.set_title(f"{model}, {gpus} GPUs", fontsize=9)
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel, fontsize=8)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
