@@ -12,7 +12,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -45,6 +45,9 @@ def _increasing(curve: tuple[tuple[float, float], ...]) -> tuple[tuple[float, fl
 _X = Annotated[float, Field(gt=0, strict=True)]
 _Y = Annotated[float, Field(gt=0, le=1, strict=True)]
 Curve = Annotated[tuple[tuple[_X, _Y], ...], Field(min_length=1), AfterValidator(_increasing), FIGURE]
+OptionalPositive = Annotated[float | None, Field(gt=0, strict=True), FIGURE]
+
+CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv"]
 
 
 def interpolate(curve: Sequence[Sequence[float]], x: float, log_x: bool = True) -> float:
@@ -80,6 +83,7 @@ class GPU(BaseModel):
     attention_forward_efficiency: Curve  # [tile length in tokens, fraction of peak]
     attention_backward_efficiency: Curve
     masked_attention_efficiency_factor: Fraction  # multiplier for partially masked tiles
+    op_overhead_us: OptionalPositive = None  # fixed cost per op (launch, dispatch); None = ignore
 
     @model_validator(mode="after")
     def _fits(self) -> "GPU":
@@ -94,9 +98,23 @@ class GPU(BaseModel):
 
 
 class Node(BaseModel):
+    """One host. `cores` and `wakeup_latency_us` describe CPU hosts whose ranks share cores."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gpus_per_node: Count
+    cores: OptionalPositive = None  # ranks that run at full speed at once; None = one device each
+    wakeup_latency_us: OptionalPositive = None  # added per communication step when ranks > cores
+
+    def core_share(self, ranks: int) -> float:
+        """Fraction of its full speed each of `ranks` busy ranks on this host gets (1 on GPUs)."""
+        return 1.0 if self.cores is None else min(1.0, self.cores / ranks)
+
+    def step_wakeup_us(self, ranks: int) -> float:
+        """Extra latency per communication step: a rank woken by a message waits for a core."""
+        if self.cores is None or self.wakeup_latency_us is None or ranks <= self.cores:
+            return 0.0
+        return self.wakeup_latency_us
 
 
 class Link(BaseModel):
@@ -111,6 +129,14 @@ class Link(BaseModel):
     step_latency_us: Positive  # added per ring step
     p2p_latency_us: Positive  # one send/recv
     size_efficiency: Curve  # [bytes per rank, fraction of the asymptotic bandwidth]
+    all_reduce_gbs: OptionalPositive = None  # bus bandwidth if it differs from collective_gbs
+    reduce_scatter_gbs: OptionalPositive = None  # (gloo emulates it: see hardware_profiles/README)
+
+    def bus_gbs(self, op: CollectiveOp) -> float:
+        """Asymptotic bus bandwidth of one collective (ring formulas for the bytes on the wire)."""
+        own = {"all_reduce": self.all_reduce_gbs, "reduce_scatter": self.reduce_scatter_gbs,
+               "all_to_all": self.alltoall_gbs, "send_recv": self.p2p_gbs}.get(op)
+        return own if own is not None else self.collective_gbs
 
     def bandwidth_fraction(self, bytes_per_rank: float) -> float:
         """Fraction of the asymptotic bandwidth reached when each rank moves `bytes_per_rank`."""
@@ -120,8 +146,8 @@ class Link(BaseModel):
 class Links(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    nvlink: Link  # inside a node (NVSwitch)
-    infiniband: Link  # across nodes, per GPU (one NIC per GPU)
+    nvlink: Link  # inside a node (NVSwitch; on a CPU host: gloo over TCP loopback)
+    infiniband: Link | None = None  # across nodes, per GPU (one NIC per GPU); None = one host
 
 
 class HardwareProfile(BaseModel):
@@ -168,7 +194,10 @@ class HardwareProfile(BaseModel):
         """`nvlink` or `infiniband`."""
         if name not in Links.model_fields:
             raise InputError(f"unknown link {name!r}: use one of {', '.join(Links.model_fields)}")
-        return getattr(self.links, name)
+        link = getattr(self.links, name)
+        if link is None:
+            raise InputError(f"profile {self.name!r} describes one host: it has no {name} link")
+        return link
 
 
 def _unwrap(cls: type[BaseModel], data: dict, prefix: str, sources: dict[str, str]) -> dict:
@@ -188,10 +217,17 @@ def _unwrap(cls: type[BaseModel], data: dict, prefix: str, sources: dict[str, st
             if not isinstance(value["source"], str) or not value["source"].strip():
                 raise ValueError(f"{path}: source must be a non-empty string")
             out[key], sources[path] = value["value"], value["source"].strip()
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) \
-                and isinstance(value, dict):
-            out[key] = _unwrap(field.annotation, value, path + ".", sources)
+        elif (section := _section_model(field.annotation)) and isinstance(value, dict):
+            out[key] = _unwrap(section, value, path + ".", sources)
     return out
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a nested section (`Link`, or `Link | None` for an optional one)."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def list_profiles() -> list[str]:

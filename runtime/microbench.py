@@ -1,0 +1,209 @@
+"""Microbenchmarks of this host: GEMMs, memory-bound ops, core sharing, collectives.
+
+Each function returns raw timings (seconds per call, median over repeats), no fitting: that is
+`calibrate`'s job. Multi-process benchmarks run in spawned workers joined with a timeout, so a
+stuck collective fails the calibration instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `fn()` in seconds over `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def repeats_for(seconds_per_call: float, budget_s: float, lo: int = 3, hi: int = 200) -> int:
+    """How many repeats fit a time budget, at least `lo` (for a median) and at most `hi`."""
+    return max(lo, min(hi, int(budget_s / max(seconds_per_call, 1e-7))))
+
+
+def gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, budget_s: float = 0.3,
+                 device: str = "cpu") -> float:
+    """Seconds for one (m x k) @ (k x n) product."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    first = median_time(lambda: a @ b, repeats=1)
+    return median_time(lambda: a @ b, repeats_for(first, budget_s))
+
+
+def copy_seconds(n_bytes: int, budget_s: float = 0.3) -> float:
+    """Seconds to copy `n_bytes` between two preallocated fp32 tensors (read + write)."""
+    src = torch.randn(n_bytes // 4)
+    dst = torch.empty_like(src)
+    first = median_time(lambda: dst.copy_(src), repeats=1)
+    return median_time(lambda: dst.copy_(src), repeats_for(first, budget_s))
+
+
+def op_overhead_seconds(repeats: int = 2000) -> float:
+    """Seconds of framework overhead per tiny op (dispatch, allocation): an 8-element add."""
+    x = torch.ones(8)
+    return median_time(lambda: x + x, repeats)
+
+
+# ---- multi-process benchmarks ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Job:
+    kind: str  # "collectives" | "gemm-load"
+    world: int
+    port: int
+    threads: int
+    sizes: tuple[int, ...] = ()
+    ops: tuple[str, ...] = ()
+    budget_s: float = 0.2
+    gemm: int = 512
+    seconds: float = 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers(job: _Job, timeout_s: float) -> list[dict]:
+    """Start `job.world` spawned workers, return each rank's result; kill them all on timeout."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker, args=(rank, job, queue), daemon=True)
+             for rank in range(job.world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, dict] = {}
+    try:
+        while len(results) < job.world:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{job.kind} benchmark at world size {job.world} did not finish "
+                                   f"in {timeout_s:.0f} s")
+            if not queue.empty():
+                rank, payload = queue.get()
+                if isinstance(payload, str):
+                    raise RuntimeError(f"{job.kind} benchmark, rank {rank}: {payload}")
+                results[rank] = payload
+            elif any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"{job.kind} benchmark: a worker exited with code "
+                                   f"{next(p.exitcode for p in procs if p.exitcode not in (None, 0))}")
+            else:
+                time.sleep(0.01)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(job.world)]
+
+
+def _worker(rank: int, job: _Job, queue) -> None:
+    torch.set_num_threads(job.threads)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated collective names
+    try:
+        if job.kind == "gemm-load":
+            payload = _gemm_load(job)
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}",
+                                    rank=rank, world_size=job.world)
+            try:
+                payload = _collectives(rank, job)
+            finally:
+                dist.destroy_process_group()
+        queue.put((rank, payload))
+    except Exception as err:  # reported to the parent, which fails the calibration
+        queue.put((rank, f"{type(err).__name__}: {err}"))
+
+
+def _gemm_load(job: _Job) -> dict:
+    """Run square GEMMs for `job.seconds` and report the FLOP rate this process got."""
+    a = torch.randn(job.gemm, job.gemm)
+    b = torch.randn(job.gemm, job.gemm)
+    a @ b
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < job.seconds:
+        a @ b
+        calls += 1
+    return {"flops_per_s": 2 * job.gemm**3 * calls / elapsed}
+
+
+def _collective_call(op: str, n_bytes: int, rank: int, world: int) -> Callable[[], object]:
+    """One collective over a buffer of `n_bytes` (the gathered / reduced whole, fp32)."""
+    n = max(world, n_bytes // 4 // world * world)
+    full, chunk = torch.ones(n), torch.ones(n // world)
+    out_full, out_chunk = torch.empty(n), torch.empty(n // world)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(out_full, chunk)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(out_chunk, full)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if op == "all_to_all":
+        return lambda: dist.all_to_all_single(out_full, full)
+    if op == "send_recv":  # every rank sends `n_bytes` to its right neighbour (one ring hop)
+        msg, got = torch.ones(n_bytes // 4), torch.empty(n_bytes // 4)
+        ops = [dist.P2POp(dist.isend, msg, (rank + 1) % world),
+               dist.P2POp(dist.irecv, got, (rank - 1) % world)]
+        return lambda: [w.wait() for w in dist.batch_isend_irecv(ops)]
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def _collectives(rank: int, job: _Job) -> dict:
+    """Per (op, size): this rank's median seconds, each call started after a barrier."""
+    out = {}
+    for n_bytes in job.sizes:
+        for op in job.ops:
+            call = _collective_call(op, n_bytes, rank, job.world)
+
+            def timed() -> float:
+                dist.barrier()
+                start = time.perf_counter()
+                call()
+                return time.perf_counter() - start
+
+            first = timed()
+            # every rank must run the same number of calls: agree on the slowest first call
+            probe = torch.tensor([first])
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+            reps = repeats_for(float(probe), job.budget_s, lo=3, hi=30)
+            out[(op, n_bytes)] = statistics.median(timed() for _ in range(reps))
+    return out
+
+
+def collective_seconds(world: int, sizes: Sequence[int], ops: Sequence[str] = COLLECTIVES,
+                       threads: int = 1, budget_s: float = 0.2,
+                       timeout_s: float = 300.0) -> dict[tuple[str, int], float]:
+    """Seconds per call of each gloo collective and size: the slowest rank's median."""
+    job = _Job("collectives", world, _free_port(), threads, tuple(sizes), tuple(ops), budget_s)
+    per_rank = _run_workers(job, timeout_s)
+    return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+
+
+def gemm_rate_under_load(procs: int, threads: int = 1, size: int = 512, seconds: float = 1.0,
+                         timeout_s: float = 120.0) -> list[float]:
+    """FLOP/s each of `procs` processes gets while all run GEMMs at once (core sharing)."""
+    job = _Job("gemm-load", procs, 0, threads, gemm=size, seconds=seconds)
+    return [r["flops_per_s"] for r in _run_workers(job, timeout_s)]
+
+
+def host_name() -> str:
+    return os.uname().nodename
