@@ -161,7 +161,7 @@ def unknown_key_warnings(fmt: str, unknown: list[str], known: list[str]) -> tupl
     lines = []
     plain = []
     for key in unknown:
-        match = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        match = difflib.get_close_matches(key, known, n=1, cutoff=0.9)
         if match:
             lines.append(f"{fmt}: unknown key {key} ignored: did you mean {match[0]}?")
         else:
