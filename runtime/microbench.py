@@ -56,6 +56,71 @@ def copy_seconds(n_bytes: int, budget_s: float = 0.3) -> float:
     return median_time(lambda: dst.copy_(src), repeats_for(first, budget_s))
 
 
+def silu_mul_seconds(n_bytes: int, budget_s: float = 0.3) -> float:
+    """Seconds of SwiGLU's elementwise part, silu(x) * y, on fp32 tensors of `n_bytes` each."""
+    x, y = torch.randn(n_bytes // 4), torch.randn(n_bytes // 4)
+    fn = lambda: torch.nn.functional.silu(x) * y  # noqa: E731
+    return median_time(fn, repeats_for(median_time(fn, repeats=1), budget_s))
+
+
+def attention_flop(queries: int, keys: int, head_dim: int, heads: int) -> float:
+    """Forward FLOP of one dense tile: QK^T and PV, 2 FLOP per multiply-add."""
+    return 4.0 * queries * keys * head_dim * heads
+
+
+def _tile(spec, tile: int):
+    """Grouped q [1, Hkv, G, tile, D] and k, v [1, Hkv, tile, D] of the model's first layer."""
+    a = spec.layers[0]
+    g = a.n_heads // a.n_kv_heads
+    q = torch.randn(1, a.n_kv_heads, g, tile, a.head_dim, requires_grad=True)
+    k = torch.randn(1, a.n_kv_heads, tile, a.head_dim, requires_grad=True)
+    v = torch.randn(1, a.n_kv_heads, tile, a.head_dim, requires_grad=True)
+    return q, k, v, a.head_dim ** -0.5
+
+
+def attention_tile_seconds(spec, tile: int, allowed: torch.Tensor, budget_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the runtime's attention on one tile x tile block.
+
+    Forward is `attention_with_lse` as the runtime calls it; backward is autograd through it
+    (what a training step runs), timed as forward + backward minus forward.
+    """
+    from runtime.attention import attention_with_lse
+
+    q, k, v, scale = _tile(spec, tile)
+    fwd = lambda: attention_with_lse(q, k, v, allowed, scale)  # noqa: E731
+
+    def both() -> None:
+        out, _ = attention_with_lse(q, k, v, allowed, scale)
+        out.sum().backward()
+
+    with torch.no_grad():
+        t_fwd = median_time(fwd, repeats_for(median_time(fwd, 1), budget_s / 3))
+    t_both = median_time(both, repeats_for(median_time(both, 1), budget_s))
+    return t_fwd, max(t_both - t_fwd, 1e-9)
+
+
+def attention_points(spec, tiles: Sequence[int], budget_s: float) -> list[tuple]:
+    """(tile, head_dim, backward, FLOP, seconds) for full (unmasked) square tiles."""
+    a = spec.layers[0]
+    out = []
+    for tile in tiles:
+        allowed = torch.ones(tile, tile, dtype=torch.bool)
+        fwd, bwd = attention_tile_seconds(spec, tile, allowed, budget_s)
+        flop = attention_flop(tile, tile, a.head_dim, a.n_heads)
+        out += [(tile, a.head_dim, False, flop, fwd), (tile, a.head_dim, True, 2.5 * flop, bwd)]
+    return out
+
+
+def masked_tile_seconds(spec, tile: int, block: int, budget_s: float) -> tuple[float, float]:
+    """(full, BD3-LM-masked) forward + backward seconds of one tile of the whole 2L sequence."""
+    from simulator.mask import visible
+
+    pos = torch.arange(tile)
+    masked = visible(pos[:, None], pos[None, :], tile // 2, block)
+    full = torch.ones(tile, tile, dtype=torch.bool)
+    return tuple(sum(attention_tile_seconds(spec, tile, m, budget_s)) for m in (full, masked))
+
+
 def op_overhead_seconds(repeats: int = 2000) -> float:
     """Seconds of framework overhead per tiny op (dispatch, allocation): an 8-element add."""
     x = torch.ones(8)
@@ -135,7 +200,10 @@ def _worker(rank: int, job: _Job, queue) -> None:
 
 
 def _gemm_load(job: _Job) -> dict:
-    """Run square GEMMs for `job.seconds` and report the FLOP rate this process got."""
+    """Run square GEMMs for `job.seconds`: the FLOP rate this process got, and its RSS before."""
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     a = torch.randn(job.gemm, job.gemm)
     b = torch.randn(job.gemm, job.gemm)
     a @ b
@@ -143,27 +211,29 @@ def _gemm_load(job: _Job) -> dict:
     while (elapsed := time.perf_counter() - start) < job.seconds:
         a @ b
         calls += 1
-    return {"flops_per_s": 2 * job.gemm**3 * calls / elapsed}
+    return {"flops_per_s": 2 * job.gemm**3 * calls / elapsed, "baseline_rss_bytes": rss}
 
 
 def _collective_call(op: str, n_bytes: int, rank: int, world: int) -> Callable[[], object]:
-    """One collective over a buffer of `n_bytes` (the gathered / reduced whole, fp32)."""
+    """One call of the runtime's comm layer over a buffer of `n_bytes` (the whole, fp32)."""
+    from runtime.comm import Comm
+
+    comm, group = Comm(), dist.group.WORLD
     n = max(world, n_bytes // 4 // world * world)
     full, chunk = torch.ones(n), torch.ones(n // world)
-    out_full, out_chunk = torch.empty(n), torch.empty(n // world)
     if op == "all_gather":
-        return lambda: dist.all_gather_into_tensor(out_full, chunk)
+        return lambda: comm.all_gather(chunk, group, "other")
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(out_chunk, full)
+        return lambda: comm.reduce_scatter(full, group, "other")
     if op == "all_reduce":
-        return lambda: dist.all_reduce(full)
+        return lambda: comm.all_reduce(full, "other", group)
     if op == "all_to_all":
-        return lambda: dist.all_to_all_single(out_full, full)
+        splits = [n // world] * world
+        return lambda: comm.all_to_all(full, splits, splits, rank, group, "other")
     if op == "send_recv":  # every rank sends `n_bytes` to its right neighbour (one ring hop)
-        msg, got = torch.ones(n_bytes // 4), torch.empty(n_bytes // 4)
-        ops = [dist.P2POp(dist.isend, msg, (rank + 1) % world),
-               dist.P2POp(dist.irecv, got, (rank - 1) % world)]
-        return lambda: [w.wait() for w in dist.batch_isend_irecv(ops)]
+        right, left = (rank + 1) % world, (rank - 1) % world
+        msg = torch.ones(n_bytes // 4)
+        return lambda: comm.send_recv({right: msg}, {left: msg.numel()}, msg, "other")
     raise ValueError(f"unknown collective {op!r}")
 
 
@@ -192,17 +262,19 @@ def _collectives(rank: int, job: _Job) -> dict:
 def collective_seconds(world: int, sizes: Sequence[int], ops: Sequence[str] = COLLECTIVES,
                        threads: int = 1, budget_s: float = 0.2,
                        timeout_s: float = 300.0) -> dict[tuple[str, int], float]:
-    """Seconds per call of each gloo collective and size: the slowest rank's median."""
+    """Seconds per call of each collective of the runtime's comm layer (gloo) and size: the
+    slowest rank's median."""
     job = _Job("collectives", world, _free_port(), threads, tuple(sizes), tuple(ops), budget_s)
     per_rank = _run_workers(job, timeout_s)
     return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
 
 
 def gemm_rate_under_load(procs: int, threads: int = 1, size: int = 512, seconds: float = 1.0,
-                         timeout_s: float = 120.0) -> list[float]:
-    """FLOP/s each of `procs` processes gets while all run GEMMs at once (core sharing)."""
+                         timeout_s: float = 120.0) -> list[dict]:
+    """Per process, `flops_per_s` it got while all `procs` ran GEMMs at once (core sharing),
+    and `baseline_rss_bytes`, its resident set after importing torch."""
     job = _Job("gemm-load", procs, 0, threads, gemm=size, seconds=seconds)
-    return [r["flops_per_s"] for r in _run_workers(job, timeout_s)]
+    return _run_workers(job, timeout_s)
 
 
 def host_name() -> str:

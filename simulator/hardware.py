@@ -84,6 +84,9 @@ class GPU(BaseModel):
     attention_backward_efficiency: Curve
     masked_attention_efficiency_factor: Fraction  # multiplier for partially masked tiles
     op_overhead_us: OptionalPositive = None  # fixed cost per op (launch, dispatch); None = ignore
+    # True: attention computes every score of the queries x keys a rank holds, masked or not
+    # (explicit math on CPU), so its work is that rectangle, not the mask's pairs
+    dense_attention: Annotated[bool, Field(strict=True), FIGURE] = False
 
     @model_validator(mode="after")
     def _fits(self) -> "GPU":
@@ -104,14 +107,15 @@ class Node(BaseModel):
 
     gpus_per_node: Count
     cores: OptionalPositive = None  # ranks that run at full speed at once; None = one device each
-    wakeup_latency_us: OptionalPositive = None  # added per communication step when ranks > cores
+    wakeup_latency_us: OptionalPositive = None  # added per collective call when ranks > cores
 
     def core_share(self, ranks: int) -> float:
         """Fraction of its full speed each of `ranks` busy ranks on this host gets (1 on GPUs)."""
         return 1.0 if self.cores is None else min(1.0, self.cores / ranks)
 
-    def step_wakeup_us(self, ranks: int) -> float:
-        """Extra latency per communication step: a rank woken by a message waits for a core."""
+    def call_wakeup_us(self, ranks: int) -> float:
+        """Extra latency of one collective call when ranks outnumber cores: woken ranks wait
+        for a core (measured on gloo; point-to-point transfers do not show it)."""
         if self.cores is None or self.wakeup_latency_us is None or ranks <= self.cores:
             return 0.0
         return self.wakeup_latency_us

@@ -1,0 +1,444 @@
+"""`csbp calibrate`: measure this host and write a `kind: measured` hardware profile.
+
+Runs the microbenchmarks (`runtime.microbench`) with the runtime's own threading (one thread per
+rank on CPU), then fits the profile's figures from first principles, each with a source that
+names the measurement:
+
+- compute: peak = the fastest GEMM; efficiency curves = measured rate / peak (GEMMs by GFLOP,
+  attention tiles by length, using the runtime's attention code);
+- memory-bound ops: copy bandwidth, and the fraction of it elementwise ops reach;
+- core sharing: GEMM rate of 1, 2, 4 processes at once -> the cores ranks effectively share;
+- gloo collectives (ring formulas for wire bytes and steps): latency and bus bandwidth per op at
+  world size 2, the size-efficiency curve, and the wake-up latency per step once ranks outnumber
+  cores (world size 4 on a 2-core host).
+
+The fit never looks at a training step: validation (`csbp validate`) checks it against those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import os
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from simulator.errors import InputError
+from simulator.hardware import PROFILE_DIR, HardwareProfile, load_profile
+from simulator.report import print_json
+
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+COLLECTIVE_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
+QUICK_COLLECTIVE_SIZES = (4 * KIB, 1 * MIB, 16 * MIB)
+GROUP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclass
+class Measurements:
+    """Raw results of one calibration run (seconds, bytes, FLOP)."""
+
+    host: str
+    cpu: str
+    date: str
+    load: str  # /proc/loadavg before and after: other work on the host adds noise
+    threads: int
+    memory_bytes: int
+    baseline_rss_bytes: int
+    gemm: list[tuple[int, int, int, float]]  # (m, k, n, seconds)
+    attention: list[tuple[int, int, bool, float, float]]  # (tile, head_dim, backward, flop, s)
+    masked_attention: tuple[float, float]  # (seconds full tile, seconds BD3-LM-masked tile)
+    copy: tuple[int, float]  # (bytes read + written, seconds)
+    elementwise: tuple[int, float]  # (bytes read + written, seconds)
+    op_overhead_s: float
+    gemm_load: dict[int, list[float]]  # processes -> FLOP/s each got
+    collectives: dict[int, dict[tuple[str, int], float]]  # world -> (op, bytes) -> seconds
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- collective model: the formulas the fit inverts --------------------------------------------
+
+def wire_bytes(op: str, n_bytes: int, world: int) -> float:
+    """Bytes one rank sends for a buffer of `n_bytes` (ring algorithms; send/recv: the message)."""
+    if op == "send_recv":
+        return n_bytes
+    share = (world - 1) / world * n_bytes
+    return 2 * share if op == "all_reduce" else share
+
+
+def ring_steps(op: str, world: int) -> int:
+    if op == "send_recv":
+        return 1
+    return 2 * (world - 1) if op == "all_reduce" else world - 1
+
+
+def per_rank_bytes(op: str, n_bytes: int, world: int) -> float:
+    """x of the size-efficiency curve: bytes each rank moves in one call."""
+    return n_bytes if op == "send_recv" else n_bytes / world
+
+
+def collective_seconds(profile: HardwareProfile, op: str, n_bytes: int, world: int) -> float:
+    """Predicted time of one gloo/NCCL call inside one host: alpha-beta with core sharing."""
+    link, node = profile.links.nvlink, profile.node
+    if op == "send_recv":
+        latency = link.p2p_latency_us
+    else:
+        latency = link.call_latency_us + ring_steps(op, world) * link.step_latency_us \
+            + node.call_wakeup_us(world)
+    bandwidth = link.bus_gbs(op) * 1e9 * link.bandwidth_fraction(per_rank_bytes(op, n_bytes, world))
+    return latency * 1e-6 + wire_bytes(op, n_bytes, world) / (bandwidth * node.core_share(world))
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+
+def _figure(value: Any, source: str) -> dict:
+    return {"value": value, "source": source}
+
+
+def _round(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def efficiency_curve(points: list[tuple[float, float]], per_decade: int = 3) -> list[list[float]]:
+    """Median y per log-spaced bin of x: a curve for `interpolate` (x increasing, 0 < y <= 1)."""
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for x, y in points:
+        bins.setdefault(math.floor(math.log10(x) * per_decade), []).append((x, y))
+    curve = []
+    for key in sorted(bins):
+        xs, ys = zip(*bins[key])
+        curve.append([_round(statistics.median(xs)), _round(min(1.0, max(1e-4, statistics.median(ys))))])
+    return curve
+
+
+def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
+    """Link figures from world size 2, the wake-up latency from world size 4."""
+    two = m.collectives[2]
+    sizes = sorted({s for _, s in two})
+    small, large = sizes[0], sizes[-1]
+    where = "gloo over TCP loopback, world size 2, one thread per rank"
+    # latency: one call of each group op at the smallest size = call + steps * step latency
+    ag, ar = two[("all_gather", small)], two[("all_reduce", small)]
+    step = max(1e-7, (ar - ag) / (ring_steps("all_reduce", 2) - ring_steps("all_gather", 2)))
+    call = max(1e-7, ag - ring_steps("all_gather", 2) * step)
+    p2p_latency = two[("send_recv", small)]
+
+    def bus(op: str) -> float:  # asymptote: wire bytes over the time left after latency
+        lat = p2p_latency if op == "send_recv" else call + ring_steps(op, 2) * step
+        return wire_bytes(op, large, 2) / max(1e-9, two[(op, large)] - lat) / 1e9
+
+    gbs = {op: bus(op) for op in (*GROUP_OPS, "send_recv")}
+    # size efficiency: what fraction of its asymptote each op reaches per bytes-per-rank
+    points = []
+    for op in GROUP_OPS:
+        lat = call + ring_steps(op, 2) * step
+        for s in sizes:
+            spent = max(1e-9, two[(op, s)] - lat)
+            points.append((per_rank_bytes(op, s, 2), wire_bytes(op, s, 2) / (gbs[op] * 1e9) / spent))
+    curve = efficiency_curve(points, per_decade=1)
+
+    def t(op: str, s: int) -> str:
+        return f"{two[(op, s)] * 1e6:.0f} us"
+
+    link = {
+        "collective_gbs": _figure(_round(gbs["all_gather"]), f"measured ({where}): all_gather_into_tensor "
+                                  f"of {large // MIB} MiB in {t('all_gather', large)}, ring wire bytes "
+                                  "(n-1)/n x buffer, latency subtracted"),
+        "p2p_gbs": _figure(_round(gbs["send_recv"]), f"measured ({where}): batch_isend_irecv of "
+                           f"{large // MIB} MiB to the ring neighbour in {t('send_recv', large)}"),
+        "alltoall_gbs": _figure(_round(gbs["all_to_all"]), f"measured ({where}): all_to_all_single of "
+                                f"{large // MIB} MiB in {t('all_to_all', large)}, wire bytes (n-1)/n x buffer"),
+        "call_latency_us": _figure(_round(call * 1e6), f"measured ({where}): all_gather of "
+                                   f"{small // KIB} KiB ({t('all_gather', small)}) minus one step"),
+        "step_latency_us": _figure(_round(step * 1e6), f"measured ({where}): all_reduce ({t('all_reduce', small)}, "
+                                   f"2 steps) minus all_gather ({t('all_gather', small)}, 1 step) "
+                                   f"at {small // KIB} KiB"),
+        "p2p_latency_us": _figure(_round(p2p_latency * 1e6), f"measured ({where}): send/recv of "
+                                  f"{small // KIB} KiB"),
+        "size_efficiency": _figure(curve, f"measured ({where}): per bytes-per-rank bin, median over "
+                                   "all_gather / reduce_scatter / all_reduce / all_to_all of (wire bytes / "
+                                   "asymptotic bandwidth) / (time - latency), at "
+                                   + ", ".join(f"{s // KIB} KiB" for s in sizes)),
+        "all_reduce_gbs": _figure(_round(gbs["all_reduce"]), f"measured ({where}): all_reduce of "
+                                  f"{large // MIB} MiB in {t('all_reduce', large)}, wire bytes 2(n-1)/n x buffer "
+                                  "(includes the CPU reduction)"),
+        "reduce_scatter_gbs": _figure(_round(gbs["reduce_scatter"]), f"measured ({where}): reduce_scatter_tensor "
+                                      f"of {large // MIB} MiB in {t('reduce_scatter', large)} against "
+                                      f"{t('all_reduce', large)} for all_reduce: gloo has no native ring "
+                                      "reduce-scatter (torch PR #118911 emulates it), so it is priced "
+                                      "from its own measurement, with ring wire bytes (n-1)/n x buffer"),
+    }
+    # wake-up latency: world size 4 on fewer cores, small messages, minus the world-2 model
+    wakeups, detail = [], []
+    if 4 in m.collectives:
+        four = m.collectives[4]
+        small4 = min(s for _, s in four)
+        for op in GROUP_OPS:
+            base = call + ring_steps(op, 4) * step
+            wakeups.append(four[(op, small4)] - base)
+            detail.append(f"{op} {four[(op, small4)] * 1e6:.0f} us")
+    wakeup = statistics.median(wakeups) if wakeups else None
+    wake_fig = None
+    if wakeup and wakeup > 0:
+        wake_fig = _figure(_round(wakeup * 1e6), "measured (gloo, world size 4 on this host's cores, "
+                           f"{small4 // KIB} KiB): median over ops of time - world-2 latency model, per call; "
+                           f"{', '.join(detail)}; send/recv shows no such delay")
+    return link, wakeup or 0.0, {"wakeup_latency_us": wake_fig}
+
+
+def fit_profile(m: Measurements, name: str) -> dict:
+    """The profile (YAML form, every figure with its source) that these measurements imply."""
+    rates = [(2 * mm * k * n / 1e9, 2 * mm * k * n / s) for mm, k, n, s in m.gemm]
+    peak = max(r for _, r in rates)
+    best = max(m.gemm, key=lambda g: 2 * g[0] * g[1] * g[2] / g[3])
+    rank = f"fp32, {m.threads} thread{'s' if m.threads > 1 else ''} per rank"
+    fwd = [(tile, flop / s / peak) for tile, _, bwd, flop, s in m.attention if not bwd]
+    bwd = [(tile, flop / s / peak) for tile, _, b, flop, s in m.attention if b]
+    head_dims = sorted({hd for _, hd, *_ in m.attention})
+    copy_gbs = m.copy[0] / m.copy[1] / 1e9
+    elem_gbs = m.elementwise[0] / m.elementwise[1] / 1e9
+    full_s, masked_s = m.masked_attention
+    load_rates = {p: sum(r) for p, r in m.gemm_load.items()}
+    single = load_rates[1]
+    effective = max(load_rates.values()) / single
+    cpus = len(os.sched_getaffinity(0))
+    link, _, node_extra = _fit_links(m)
+    tiles = ", ".join(str(t) for t in sorted({t for t, *_ in m.attention}))
+    profile = {
+        "name": name,
+        "kind": "measured",
+        "host": m.host,
+        "date": m.date,
+        "notes": (f"{m.cpu}; one rank = one process with {rank}; ranks share {cpus} cores "
+                  f"({effective:.2f} cores' worth measured) and talk through gloo over TCP loopback. Measured by csbp calibrate "
+                  f"under load {m.load} (load average 1/5/15 min, before -> after); other work on "
+                  "the host makes every figure noisier. " + " ".join(m.notes)).strip(),
+        "gpu": {
+            "name": f"{m.cpu} ({rank})",
+            "memory_gib": _figure(_round(m.memory_bytes / GIB), "MemTotal in /proc/meminfo (shared by "
+                                  "all ranks of the host)"),
+            "reserved_gib": _figure(_round(m.baseline_rss_bytes / GIB), "measured: resident set of a "
+                                    "worker process after importing torch, before any model "
+                                    "(ru_maxrss): the process high-water RSS includes it"),
+            "peak_tflops": _figure(_round(peak / 1e12), f"measured: fastest fp32 GEMM of the sweep, "
+                                   f"{best[0]}x{best[1]}x{best[2]} in {best[3] * 1e3:.2f} ms, one process alone"),
+            "hbm_gbs": _figure(_round(copy_gbs), f"measured: copy_ of {m.copy[0] // 2 // MIB} MiB fp32 "
+                               f"(read + write counted) in {m.copy[1] * 1e3:.2f} ms"),
+            "hbm_efficiency": _figure(_round(min(1.0, elem_gbs / copy_gbs)), "measured: SiLU(x) * y on "
+                                      f"{m.elementwise[0] // 3 // MIB} MiB tensors (3 tensors moved, "
+                                      f"fresh output allocated) reaches {elem_gbs:.2f} GB/s of the copy "
+                                      f"bandwidth {copy_gbs:.2f} GB/s"),
+            "gemm_efficiency": _figure(efficiency_curve([(g, r / peak) for g, r in rates]),
+                                       f"measured: rate / peak of {len(rates)} fp32 GEMMs at the model's "
+                                       "projection shapes (tokens x hidden x width), median per third "
+                                       "of a decade of GFLOP"),
+            "attention_forward_efficiency": _figure(
+                efficiency_curve(fwd), f"measured: the runtime's CPU attention (explicit masked "
+                f"math) forward, FLOP 4 x q x k x head_dim x heads per tile / time / peak, tiles "
+                f"{tiles}, head dim {head_dims}"),
+            "attention_backward_efficiency": _figure(
+                efficiency_curve(bwd), "measured: same tiles, backward (dQ, dK, dV: 2.5 x the "
+                "forward FLOP) / time / peak"),
+            "masked_attention_efficiency_factor": _figure(
+                _round(min(1.0, full_s / masked_s)), f"measured: full tile {full_s * 1e3:.2f} ms vs the "
+                f"same tile under the BD3-LM mask {masked_s * 1e3:.2f} ms (explicit math computes "
+                "every score either way, so the mask adds work, never removes it)"),
+            "dense_attention": _figure(True, "runtime/attention.py on CPU: attention_with_lse "
+                                       "computes the whole queries x keys score matrix and masks it"),
+            "op_overhead_us": _figure(_round(m.op_overhead_s * 1e6), "measured: median time of an "
+                                      "8-element add (dispatch + allocation, no arithmetic to speak of)"),
+        },
+        "node": {
+            "gpus_per_node": _figure(4, "ranks per host csbp validate runs (world sizes 2 and 4); "
+                                     "they share node.cores"),
+            "cores": _figure(float(cpus), f"CPUs this process may run on (sched_getaffinity); "
+                             "check, summed GEMM rate of " + ", ".join(
+                                 f"{p} process{'es' if p > 1 else ''} at once {load_rates[p] / 1e9:.0f} GFLOP/s"
+                                 for p in sorted(load_rates))
+                             + f": {effective:.2f} cores' worth under load {m.load}"),
+            **{k: v for k, v in node_extra.items() if v is not None},
+        },
+        "links": {"nvlink": link},
+    }
+    HardwareProfile.model_validate(profile)  # a fit that breaks the schema is a bug, not input
+    return profile
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+def gemm_shapes(hidden: int, widths: tuple[int, ...], tokens: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(m, k, n) of a layer's projections at each token count: x @ W and its transpose."""
+    shapes = set()
+    for m in tokens:
+        for w in widths:
+            shapes |= {(m, hidden, w), (m, w, hidden)}
+    return sorted(shapes)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_total() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
+    """Run every microbenchmark; `step(label)` is called before each one (progress)."""
+    import torch
+
+    from runtime import microbench as mb
+    from runtime.validate import VALIDATION_MODEL
+
+    threads = 1
+    torch.set_num_threads(threads)
+    load_before = _loadavg()
+    spec = VALIDATION_MODEL
+    a = spec.layers[0]
+    widths = (a.n_heads * a.head_dim, a.kv_width, spec.ffn, spec.vocab)
+    tokens = (256, 1024, 4096) if quick else (128, 256, 512, 1024, 2048, 4096, 8192)
+    budget = 0.05 if quick else 0.25
+    step("GEMMs")
+    gemm = [(m, k, n, mb.gemm_seconds(m, k, n, torch.float32, budget))
+            for m, k, n in gemm_shapes(spec.hidden, widths, tokens)]
+    step("attention tiles")
+    tiles = (128, 512, 2048) if quick else (128, 256, 512, 1024, 2048, 4096)
+    attention = mb.attention_points(spec, tiles, budget)
+    masked = mb.masked_tile_seconds(spec, 1024, 64, budget)
+    step("memory-bound ops")
+    copy_bytes = 64 * MIB
+    copy = (2 * copy_bytes, mb.copy_seconds(copy_bytes, budget))
+    elementwise = (3 * copy_bytes, mb.silu_mul_seconds(copy_bytes, budget))
+    overhead = mb.op_overhead_seconds()
+    step("core sharing")
+    seconds = 0.3 if quick else 1.0
+    gemm_load, rss = {}, 0
+    for procs in (1, 2, 4):
+        results = mb.gemm_rate_under_load(procs, threads, seconds=seconds)
+        gemm_load[procs] = [r["flops_per_s"] for r in results]
+        rss = max(rss, *(r["baseline_rss_bytes"] for r in results))
+    collectives = {}
+    for world in (2, 4):
+        step(f"collectives, world size {world}")
+        sizes = QUICK_COLLECTIVE_SIZES if quick else COLLECTIVE_SIZES
+        collectives[world] = mb.collective_seconds(world, sizes, threads=threads,
+                                                   budget_s=0.03 if quick else 0.2)
+    return Measurements(
+        host=mb.host_name(), cpu=_cpu_name(), date=dt.date.today().isoformat(),
+        load=f"{load_before} -> {_loadavg()}", threads=threads, memory_bytes=_mem_total(),
+        baseline_rss_bytes=rss, gemm=gemm, attention=attention, masked_attention=masked,
+        copy=copy, elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
+        collectives=collectives,
+        notes=["Quick calibration: fewer sizes and repeats."] if quick else [])
+
+
+def residuals(profile: HardwareProfile, m: Measurements) -> list[dict]:
+    """Fitted collective model vs every measured call (the check of the fit's mechanisms)."""
+    rows = []
+    for world, table in sorted(m.collectives.items()):
+        for (op, n_bytes), seconds in sorted(table.items()):
+            predicted = collective_seconds(profile, op, n_bytes, world)
+            rows.append({"world": world, "op": op, "bytes": n_bytes, "measured_s": seconds,
+                         "predicted_s": predicted, "error": predicted / seconds - 1})
+    return rows
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure this host into a hardware profile",
+                       description="Run GEMM, attention, memory, core-sharing and gloo collective "
+                                   "microbenchmarks on this host and write a measured profile.")
+    p.add_argument("--out", default=None, help="profile path (default: hardware_profiles/NAME.yaml)")
+    p.add_argument("--name", default="cpu-measured", help="profile name (default: cpu-measured)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 30 s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    if not args.name.replace("-", "").replace("_", "").isalnum():
+        raise InputError(f"bad profile name {args.name!r}: use letters, digits, '-' and '_'")
+    out = Path(args.out) if args.out else PROFILE_DIR / f"{args.name}.yaml"
+    if out.suffix not in (".yaml", ".yml"):
+        raise InputError(f"{out}: the profile path must end in .yaml")
+    if not out.parent.is_dir():
+        raise InputError(f"{out.parent}: no such directory")
+    console = Console(stderr=True)
+    labels = ["GEMMs", "attention tiles", "memory-bound ops", "core sharing",
+              "collectives, world size 2", "collectives, world size 4"]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("calibrating", total=len(labels))
+
+        def step(label: str) -> None:
+            progress.update(task, description=label, completed=labels.index(label))
+
+        m = measure(args.quick, step)
+    raw = fit_profile(m, args.name)
+    out.write_text(_header(m) + yaml.safe_dump(raw, sort_keys=False, width=100,
+                                                default_flow_style=None))
+    profile = load_profile(str(out))
+    rows = residuals(profile, m)
+    errors = sorted(abs(r["error"]) for r in rows)
+    summary = {"profile": str(out), "name": args.name, "host": m.host, "date": m.date, "load": m.load,
+               "peak_tflops": profile.gpu.peak_tflops, "cores": profile.node.cores,
+               "collective_fit_median_abs_error": statistics.median(errors),
+               "collective_fit_max_abs_error": errors[-1], "collective_fit": rows}
+    if args.json:
+        print_json(summary)
+    else:
+        _print_summary(console, profile, summary)
+    return 0
+
+
+def _header(m: Measurements) -> str:
+    return (f"# csbp hardware profile measured by `csbp calibrate` on {m.host}, {m.date}.\n"
+            "# Every figure's source names the measurement it came from; rerun the command to refresh.\n"
+            "# Field meanings and units: hardware_profiles/README.md.\n\n")
+
+
+def _print_summary(console, profile: HardwareProfile, summary: dict) -> None:
+    from rich.table import Table
+
+    out = console.__class__()  # stdout
+    out.print(f"wrote {summary['profile']} (host {summary['host']}, load {summary['load']})")
+    out.print(f"peak {profile.gpu.peak_tflops * 1e3:.1f} GFLOP/s per rank, copy "
+              f"{profile.gpu.hbm_gbs:.1f} GB/s, {profile.node.cores:.2f} cores shared by the ranks")
+    table = Table(title="gloo collectives: fitted model vs measured")
+    for col in ("world", "op", "bytes", "measured", "predicted", "error"):
+        table.add_column(col, justify="right")
+    for r in summary["collective_fit"]:
+        table.add_row(str(r["world"]), r["op"], f"{r['bytes'] // KIB} KiB", f"{r['measured_s'] * 1e3:.2f} ms",
+                      f"{r['predicted_s'] * 1e3:.2f} ms", f"{r['error']:+.0%}")
+    out.print(table)
+    out.print(f"median |error| {summary['collective_fit_median_abs_error']:.0%}, max "
+              f"{summary['collective_fit_max_abs_error']:.0%}")
+
