@@ -178,7 +178,8 @@ def test_turbo_backends_and_pure_bp():
     fsdp = read("turbo-dllm", text.replace("backend: deepspeed_zero2",
                                            "backend: fsdp\n  fsdp_sharding_strategy: shard_grad_op"))
     assert fsdp.workload.zero_stage == 2
-    assert read("turbo-dllm", text.replace("backend: deepspeed_zero2", "backend: auto")).workload.zero_stage == 2
+    auto = read("turbo-dllm", text.replace("backend: deepspeed_zero2", "backend: auto"))
+    assert auto.workload.zero_stage == 2
     pure = text.replace("context_parallel_size: 8", "context_parallel_size: 1").replace(
         "replicate_clean_prefix: false", "replicate_clean_prefix: true")
     assert read("turbo-dllm", pure).plan.kind == "bp"
@@ -255,7 +256,8 @@ def test_megatron_without_world_size_fills_dp_from_the_cluster():
 @pytest.mark.parametrize("change,expected", [
     (("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 2"), "pipeline parallelism"),
     (("expert_parallel_degree = 1", "expert_parallel_degree = 2"), "needs a MoE model"),
-    (('mode = "full"', 'mode = "selective"'), "activation_checkpoint.mode 'selective' is not one csbp models"),
+    (('mode = "full"', 'mode = "selective"'),
+     "activation_checkpoint.mode 'selective' is not one csbp models"),
     (("data_parallel_replicate_degree = 1", "data_parallel_replicate_degree = 2"), "HSDP"),
     (("context_parallel_degree = 16", "context_parallel_degree = 16\ncontext_parallel_degree = 8"),
      "malformed TOML"),
@@ -268,7 +270,8 @@ def test_torchtitan_impossible_runs_name_the_rule(change, expected):
 def test_torchtitan_typo_and_fill_degree():
     text = golden_text("torchtitan.toml").replace("data_parallel_shard_degree = 1",
                                                   "data_parallel_shard_degree = -1")
-    text = text.replace("context_parallel_degree = 16", "context_parallel_degree = 8\ncontext_paralel_degree = 4")
+    text = text.replace("context_parallel_degree = 16",
+                        "context_parallel_degree = 8\ncontext_paralel_degree = 4")
     run = read("torchtitan", text)
     assert run.unknown_keys == ("parallelism.context_paralel_degree",)
     assert "did you mean parallelism.context_parallel_degree?" in run.warnings[0]

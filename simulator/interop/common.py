@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pydantic import ValidationError
 
@@ -144,6 +144,11 @@ def choice(fmt: str, key: str, value: object, table: Mapping[str, Any]) -> Any:
     return table[value]
 
 
+def key_for(table: Mapping[str, Any], meaning: Any) -> str:
+    """The framework's name for a csbp value (the inverse of `choice`)."""
+    return next(k for k, v in table.items() if v == meaning)
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'topology': {'cp': 8}} -> {'topology.cp': 8}: keys named as users write them in errors."""
     flat: dict[str, Any] = {}
@@ -154,6 +159,13 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def settings(flat: Mapping[str, Any],
+             defaults: Mapping[str, Any]) -> tuple[Callable[[str], Any], list[str]]:
+    """A getter for the keys csbp reads (the framework's default where absent) and the other keys."""
+    known = {**defaults, **{k: v for k, v in flat.items() if k in defaults}}
+    return known.__getitem__, [k for k in flat if k not in defaults]
 
 
 def unknown_key_warnings(fmt: str, unknown: list[str], known: list[str]) -> tuple[str, ...]:

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from simulator.errors import InputError
 from simulator.interop.common import (ImportedRun, as_int, check_emittable, checkpoint_id, choice,
-                                      make_plan, make_workload, objective_of, require_default_placement,
-                                      resolve_model, unknown_key_warnings)
+                                      key_for, make_plan, make_workload, objective_of,
+                                      require_default_placement, resolve_model,
+                                      unknown_key_warnings)
 from simulator.plan import Plan
 from simulator.presets import PRESET_NAMES, load_model
 from simulator.spec import ModelSpec
@@ -81,15 +82,14 @@ def emit(model_name: str, workload: Workload, plan: Plan, nodes: int, gpus_per_n
     flags.append(f"--tensor-model-parallel-size {plan.tp}")
     if plan.tp > 1:
         flags.append("--sequence-parallel")
-    transport = {v: k for k, v in CP_COMM.items()}[plan.transport]
-    flags += [f"--context-parallel-size {plan.cp}", f"--cp-comm-type {transport}",
+    flags += [f"--context-parallel-size {plan.cp}", f"--cp-comm-type {key_for(CP_COMM, plan.transport)}",
               f"--expert-model-parallel-size {plan.ep}"]
     if workload.checkpointing == "full":
         flags += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     if workload.zero_stage >= 1:
         flags.append("--use-distributed-optimizer")
     if workload.zero_stage >= 2:
-        sharding = {v: k for k, v in SHARDING.items()}[workload.zero_stage]
+        sharding = key_for(SHARDING, workload.zero_stage)
         flags += [FSDP_FLAGS[0], f"--data-parallel-sharding-strategy {sharding}"]
     flags += [f"--block-size {workload.block_size}", f"--diffusion-objective {workload.objective}"]
     header = (f"# csbp plan {plan.label()} on {nodes} x {gpus_per_node} GPUs "

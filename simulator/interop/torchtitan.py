@@ -22,9 +22,10 @@ import tomllib
 from pathlib import Path
 
 from simulator.errors import InputError
-from simulator.interop.common import (ImportedRun, as_int, check_emittable, choice, flatten, make_plan,
-                                      make_workload, objective_of, require_default_placement,
-                                      resolve_model, unknown_key_warnings)
+from simulator.interop.common import (ImportedRun, as_int, check_emittable, choice, flatten,
+                                      key_for, make_plan, make_workload, objective_of,
+                                      require_default_placement, resolve_model, settings,
+                                      unknown_key_warnings)
 from simulator.plan import Plan
 from simulator.workload import Workload
 
@@ -71,8 +72,7 @@ def _toml(sections: dict[str, dict[str, object]]) -> str:
 def emit(model_name: str, workload: Workload, plan: Plan, nodes: int, gpus_per_node: int) -> str:
     check_emittable(FMT, model_name, workload, plan, nodes * gpus_per_node, block_parallel=False)
     require_default_placement(FMT, plan, RANK_ORDER)
-    precision = {v: k for k, v in PRECISION.items()}.get(workload.dtype)
-    if precision is None:
+    if workload.dtype not in PRECISION.values():
         raise InputError(f"{FMT}: training.mixed_precision_param has no {workload.dtype} (bfloat16, float32)")
     if workload.zero_stage == 1:
         raise InputError(f"{FMT} has no ZeRO-1: FSDP shards gradients too (use zero 2)")
@@ -82,19 +82,18 @@ def emit(model_name: str, workload: Workload, plan: Plan, nodes: int, gpus_per_n
     if workload.zero_stage == 0:
         parallelism |= {"data_parallel_replicate_degree": plan.dp, "data_parallel_shard_degree": 1}
     else:
-        reshard = {v: k for k, v in RESHARD.items()}[workload.zero_stage]
         parallelism |= {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": plan.dp * plan.ep,
-                        "fsdp_reshard_after_forward": reshard}
-    rotate = {v: k for k, v in ROTATE.items()}[plan.transport]
+                        "fsdp_reshard_after_forward": key_for(RESHARD, workload.zero_stage)}
     parallelism |= {"tensor_parallel_degree": plan.tp, "context_parallel_degree": plan.cp,
-                    "context_parallel_rotate_method": rotate, "expert_parallel_degree": plan.ep,
+                    "context_parallel_rotate_method": key_for(ROTATE, plan.transport),
+                    "expert_parallel_degree": plan.ep,
                     "pipeline_parallel_degree": 1}
     header = (f"# csbp plan {plan.label()} on {nodes} x {gpus_per_node} GPUs "
               f"(torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node})\n")
     return header + _toml({
         "model": {"name": model_name},
         "training": {"seq_len": workload.seq_len, "local_batch_size": workload.micro_batch,
-                     "mixed_precision_param": precision},
+                     "mixed_precision_param": key_for(PRECISION, workload.dtype)},
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": workload.checkpointing},
         "block_diffusion": {"block_size": workload.block_size, "objective": workload.objective},
@@ -106,8 +105,7 @@ def read(text: str, *, base_dir: Path | None = None) -> ImportedRun:
         flat = flatten(tomllib.loads(text))
     except tomllib.TOMLDecodeError as err:
         raise InputError(f"{FMT}: malformed TOML: {str(err).splitlines()[0]}") from None
-    unknown = [k for k in flat if k not in DEFAULTS]
-    get = {**DEFAULTS, **{k: v for k, v in flat.items() if k in DEFAULTS}}.__getitem__
+    get, unknown = settings(flat, DEFAULTS)
 
     def degree(key: str) -> int:
         value = as_int(FMT, f"parallelism.{key}", get(f"parallelism.{key}"))

@@ -16,8 +16,8 @@ import yaml
 
 from simulator.errors import InputError
 from simulator.interop.common import (ImportedRun, as_bool, as_int, check_emittable, checkpoint_id,
-                                      choice, flatten, make_plan, make_workload, resolve_model,
-                                      unknown_key_warnings)
+                                      choice, flatten, key_for, make_plan, make_workload,
+                                      resolve_model, settings, unknown_key_warnings)
 from simulator.plan import DEFAULT_PLACEMENT, Plan
 from simulator.workload import Workload
 
@@ -34,7 +34,8 @@ PLACEMENTS = {"auto": DEFAULT_PLACEMENT, "inter_node_cp": STRIPED_PLACEMENT}
 # backend -> ZeRO stage; "auto" resolves to deepspeed_zero2 on a multi-rank launch
 BACKENDS = {"auto": 2, "deepspeed_zero2": 2, "torch_adamw": 0, "torch_fused_adamw": 0,
             "torch_distributed_adamw": 0, "fsdp": None, "fsdp2": None}
-FSDP_SHARDING = {"full_shard": 3, "shard_grad_op": 2, "no_shard": 0}
+FSDP2_SHARDING = {"full_shard": 3, "shard_grad_op": 2}
+FSDP_SHARDING = {**FSDP2_SHARDING, "no_shard": 0}
 BACKEND_FOR_ZERO = {0: "torch_fused_adamw", 2: "deepspeed_zero2", 3: "fsdp2"}
 
 # The keys csbp reads, with Turbo-dLLM's defaults for those a file leaves out.
@@ -94,15 +95,13 @@ def emit(model_name: str, workload: Workload, plan: Plan, nodes: int, gpus_per_n
                     "(deepspeed_zero2 = 2, fsdp2 = 3, torch_fused_adamw = 0)")
     if plan.bp > 1 and plan.schedule != "dual-end":
         raise _rule(f"block parallelism schedules blocks dual-end only, not {plan.schedule}")
-    objective = {v: k for k, v in OBJECTIVES.items()}[workload.objective]
-    transport = {v: k for k, v in TRANSPORTS.items()}[plan.transport]
     training: dict[str, object] = {"batch_size": workload.micro_batch,
                                    "activation_checkpointing": workload.checkpointing == "full"}
     if workload.checkpointing == "full":
         training["activation_checkpointing_scope"] = "full"
     spec = {
         "model": {"id": checkpoint_id(model_name), "seq_len": workload.seq_len, "dtype": workload.dtype},
-        "objective": {"name": objective, "block_size": workload.block_size},
+        "objective": {"name": key_for(OBJECTIVES, workload.objective), "block_size": workload.block_size},
         "training": training,
         "topology": {
             "tensor_parallel_size": plan.tp,
@@ -113,7 +112,7 @@ def emit(model_name: str, workload: Workload, plan: Plan, nodes: int, gpus_per_n
             "replicate_clean_prefix": plan.kind == "bp",
             "placement_policy": _placement_policy(plan, nodes, gpus_per_node),
         },
-        "kernel": {"cp_bp_clean_kv_transport": transport},
+        "kernel": {"cp_bp_clean_kv_transport": key_for(TRANSPORTS, plan.transport)},
         "optimizer": {"backend": BACKEND_FOR_ZERO[workload.zero_stage]},
     }
     header = (f"# csbp plan {plan.label()} on {nodes} x {gpus_per_node} GPUs: data parallelism "
@@ -138,11 +137,11 @@ def _load(text: str) -> dict[str, object]:
 
 def read(text: str, *, base_dir: Path | None = None) -> ImportedRun:
     flat = _load(text)
-    unknown = [k for k in flat if k not in DEFAULTS]
-    get = {**DEFAULTS, **{k: v for k, v in flat.items() if k in DEFAULTS}}.__getitem__
+    get, unknown = settings(flat, DEFAULTS)
 
     model_name, model = resolve_model(FMT, "model.id", get("model.id"), base_dir)
-    checkpointing = as_bool(FMT, "training.activation_checkpointing", get("training.activation_checkpointing"))
+    key = "training.activation_checkpointing"
+    checkpointing = as_bool(FMT, key, get(key))
     scope = get("training.activation_checkpointing_scope")
     if checkpointing and scope != "full":
         raise InputError(f"{FMT}: training.activation_checkpointing_scope {scope!r}: csbp models "
@@ -151,8 +150,7 @@ def read(text: str, *, base_dir: Path | None = None) -> ImportedRun:
     zero = choice(FMT, "optimizer.backend", backend, BACKENDS)
     if zero is None:  # fsdp / fsdp2: the sharding strategy says which ZeRO stage
         key = "optimizer.fsdp_sharding_strategy"
-        zero = choice(FMT, key, get(key), FSDP_SHARDING if backend == "fsdp" else
-                      {k: v for k, v in FSDP_SHARDING.items() if k != "no_shard"})
+        zero = choice(FMT, key, get(key), FSDP_SHARDING if backend == "fsdp" else FSDP2_SHARDING)
     block = get("objective.block_size")
     workload = make_workload(
         FMT, seq_len=as_int(FMT, "model.seq_len", get("model.seq_len")),
@@ -182,7 +180,8 @@ def read(text: str, *, base_dir: Path | None = None) -> ImportedRun:
         raise _rule("topology: block parallelism without context parallelism replicates the clean "
                     "prefix: set replicate_clean_prefix: true")
     if replicate and not (cp == 1 and bp > 1):
-        raise _rule("topology: replicate_clean_prefix needs context_parallel_size=1 and block_parallel_size>1")
+        raise _rule("topology: replicate_clean_prefix needs context_parallel_size=1 and "
+                    "block_parallel_size>1")
     sequence_parallel = as_bool(FMT, "topology.sequence_parallel", get("topology.sequence_parallel"))
     if sequence_parallel and tp == 1:
         raise _rule("topology: sequence_parallel needs tensor_parallel_size > 1")
