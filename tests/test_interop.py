@@ -156,6 +156,7 @@ def test_turbo_lists_keys_it_does_not_model():
     (("  placement_policy: auto", "  placement_policy: auto\n  pipeline_parallel_size: 2"),
      "pipeline parallelism is not used"),
     (("placement_policy: auto", "placement_policy: rack_local"), "topology.placement_policy 'rack_local'"),
+    (("placement_policy: auto", "placement_policy: [auto]"), "topology.placement_policy ['auto']"),
     (("tensor_parallel_size: 1", "tensor_parallel_size: 2"), "without sequence_parallel"),
     (("backend: deepspeed_zero2", "backend: adafactor"), "optimizer.backend 'adafactor'"),
     (("dtype: bf16", "dtype: fp32"), "model.dtype 'fp32'"),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -139,7 +140,7 @@ def as_bool(fmt: str, key: str, value: object) -> bool:
 
 def choice(fmt: str, key: str, value: object, table: Mapping[str, Any]) -> Any:
     """Look a framework value up in its csbp meaning; a value csbp cannot model is one line."""
-    if value not in table:
+    if not isinstance(value, Hashable) or value not in table:
         raise InputError(f"{fmt}: {key} {value!r} is not one csbp models (use {', '.join(map(str, table))})")
     return table[value]
 
