@@ -16,14 +16,14 @@ from pydantic import ValidationError
 from simulator.errors import InputError
 from simulator.plan import one_line
 
-COMMANDS = {
-    "simulate": "simulator.commands.simulate",
-    "plan": "simulator.commands.plan",
-    "sweep": "simulator.commands.sweep",
-    "run": "runtime.launch",
-    "calibrate": "runtime.calibrate",
-    "validate": "runtime.validate",
-    "experiments": "experiments.cli",
+COMMANDS = {  # name -> (module, one-line help shown by `csbp --help`)
+    "plan": ("simulator.commands.plan", "rank every plan for a model, context and cluster (default)"),
+    "simulate": ("simulator.commands.simulate", "predict step time, tokens/s and memory of one plan"),
+    "sweep": ("simulator.commands.sweep", "plan over lists of contexts, models and GPU counts"),
+    "run": ("runtime.launch", "run a plan for real on this host (gloo on CPU, NCCL on GPU)"),
+    "calibrate": ("runtime.calibrate", "measure this host into a hardware profile"),
+    "validate": ("runtime.validate", "compare predictions with runtime measurements"),
+    "experiments": ("experiments.cli", "regenerate the CSBP studies (tables and plots)"),
 }
 
 
@@ -36,19 +36,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = _Parser(prog="csbp", description="Plan, simulate and run block-diffusion LM training "
                      "on long contexts (DP / CP / BP / CSBP with TP, EP, ZeRO).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, module in COMMANDS.items():
-        if wanted is not None and name != wanted:
-            sub.add_parser(name, help=f"see: csbp {name} --help")
+    wanted = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, (module, text) in COMMANDS.items():
+        if name != wanted:  # only the command being run is imported (torch stays unloaded)
+            sub.add_parser(name, help=text, add_help=False)
             continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as err:
             if err.name and err.name.split(".")[0] == "torch":
-                sub.add_parser(name, help="needs torch: pip install 'csbp[runtime]'")
-                continue
-            if err.name == module:  # not built yet
-                continue
+                raise InputError(f"'csbp {name}' needs torch: pip install torch==2.13.0 "
+                                 "(or the 'runtime' extra)") from None
             raise
         mod.add_parser(sub)
     return parser
@@ -57,14 +55,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = build_parser(argv)
-        args = parser.parse_args(argv)
-        if not getattr(args, "func", None):
-            if args.command is None:
-                argv = ["plan"]  # the built-in default job
-                args = build_parser(argv).parse_args(argv)
-            else:
-                raise InputError(f"'csbp {args.command}' is unavailable here (is torch installed?)")
+        if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+            argv = ["plan", *argv]  # the built-in default job
+        args = build_parser(argv).parse_args(argv)
         return int(args.func(args) or 0)
     except InputError as err:
         print(f"csbp: error: {err}", file=sys.stderr)
