@@ -85,3 +85,36 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     if args.placement:
         options["placement"] = args.placement
     return parse_plan(args.plan or "", **options)
+
+
+def add_from_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from", dest="from_run", nargs=2, metavar=("FORMAT", "FILE"),
+                   help="read an existing run instead of flags: turbo-dllm run.yaml | megatron "
+                        "flags.txt | torchtitan job.toml (FILE '-' reads stdin)")
+
+
+def imported_inputs(args: argparse.Namespace, world: int) -> tuple[Inputs, Plan] | None:
+    """Model, workload and plan of the run named by --from, on a cluster of `world` GPUs."""
+    if not getattr(args, "from_run", None):
+        return None
+    import sys
+    from pathlib import Path
+
+    from simulator.interop import read
+
+    fmt, name = args.from_run
+    if name == "-":
+        text, base = sys.stdin.read(), Path.cwd()
+    else:
+        path = Path(name)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise InputError(f"cannot read {name}: {err.strerror or err}") from None
+        except UnicodeDecodeError:
+            raise InputError(f"{name} is not a text file") from None
+        base = path.resolve().parent
+    run = read(fmt, text, base_dir=base)
+    for line in run.warnings:
+        print(f"csbp: warning: {line}", file=sys.stderr)
+    return Inputs(load_model(run.model), run.workload), run.plan_on(world)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from simulator.cli_args import (add_cluster_args, add_plan_args, add_workload_args, inputs_from_args,
-                                plan_from_args)
+from simulator.cli_args import (add_cluster_args, add_from_arg, add_plan_args, add_workload_args,
+                                imported_inputs, inputs_from_args, plan_from_args)
 from simulator.report import print_json, print_result
 
 
@@ -17,6 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_cluster_args(p)
     add_plan_args(p)
     p.set_defaults(plan="dp=2,cp=8,bp=8")
+    add_from_arg(p)
     p.add_argument("--engine", default="des", choices=["des", "closed-form"],
                    help="discrete-event simulation (overlap) or the closed-form screen")
     p.add_argument("--no-overlap", action="store_true", help="serialise communication and compute")
@@ -29,9 +30,9 @@ def run(args: argparse.Namespace) -> int:
     from simulator.hardware import load_profile
     from simulator.simulate import simulate
 
-    inputs = inputs_from_args(args)
-    plan = plan_from_args(args)
     profile = load_profile(args.hardware)
+    imported = imported_inputs(args, args.nodes * profile.node.gpus_per_node)
+    inputs, plan = imported or (inputs_from_args(args), plan_from_args(args))
     result = simulate(inputs.model, inputs.workload, plan, profile, args.nodes,
                       engine=args.engine, overlap=not args.no_overlap)
     if args.trace:
