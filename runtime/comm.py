@@ -1,0 +1,118 @@
+"""The one door to torch.distributed: every collective and send/recv of the runtime, counted.
+
+Counts are each rank's logical traffic per category: what it receives from and sends to other
+ranks (a rank's own slot of a collective is not traffic). For all-gather, reduce-scatter,
+all-to-all and send/recv that is exactly the rows `Layout.exchange` names, which is why counted
+attention bytes can equal the simulator's prediction to the byte. All-reduce counts the ring
+algorithm's 2(P-1)/P of the buffer each way. Backends may move more on the wire (gloo's
+reduce-scatter is an all-reduce underneath); the counts describe the plan, not the backend.
+Attention K/V bytes received are also split by phase (forward, recompute, backward), the way the
+layout predicts them.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+CATEGORIES = ("attention-kv", "gradients", "other")
+PHASES = ("forward", "recompute", "backward")
+
+# torch 2.13 renames these (the old names warn); older releases only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """Collectives and point-to-point transfers of one rank, with byte counters."""
+
+    def __init__(self) -> None:
+        self._in_backward = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.sent = dict.fromkeys(CATEGORIES, 0)
+        self.received = dict.fromkeys(CATEGORIES, 0)
+        self.attention_received = dict.fromkeys(PHASES, 0)
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """Mark the backward pass: forward-direction exchanges in it are recomputation."""
+        self._in_backward = True
+        try:
+            yield
+        finally:
+            self._in_backward = False
+
+    def forward_phase(self) -> str:
+        return "recompute" if self._in_backward else "forward"
+
+    def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
+        return dist.new_group(ranks)
+
+    def _count(self, category: str, sent: int, received: int, phase: str | None = None) -> None:
+        self.sent[category] += sent
+        self.received[category] += received
+        if category == "attention-kv":
+            self.attention_received[phase] += received
+
+    def all_gather(self, shard: torch.Tensor, group: dist.ProcessGroup, category: str,
+                   phase: str | None = None) -> torch.Tensor:
+        """Equal shards of every group member, stacked along dim 0 in group rank order."""
+        size = dist.get_world_size(group)
+        out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
+        _all_gather(out, shard.contiguous(), group=group)
+        self._count(category, (size - 1) * _nbytes(shard), (size - 1) * _nbytes(shard), phase)
+        return out
+
+    def reduce_scatter(self, full: torch.Tensor, group: dist.ProcessGroup, category: str,
+                       phase: str | None = None) -> torch.Tensor:
+        """Sum over members of `full`, each member keeping its own 1/P slice of dim 0."""
+        size = dist.get_world_size(group)
+        out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
+        _reduce_scatter(out, full.contiguous(), group=group)
+        self._count(category, (size - 1) * _nbytes(out), (size - 1) * _nbytes(out), phase)
+        return out
+
+    def all_to_all(self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                   me: int, group: dist.ProcessGroup, category: str,
+                   phase: str | None = None) -> torch.Tensor:
+        """Rows to each member (`send_splits`, group rank order); rows from each come back."""
+        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+        self._count(category, (sum(send_splits) - send_splits[me]) * row_bytes,
+                    (sum(recv_splits) - recv_splits[me]) * row_bytes, phase)
+        return out
+
+    def send_recv(self, sends: dict[int, torch.Tensor], recv_numel: dict[int, int],
+                  like: torch.Tensor, category: str, phase: str | None = None
+                  ) -> dict[int, torch.Tensor]:
+        """One message to and from each peer (global ranks), posted together so none deadlocks."""
+        received = {peer: like.new_empty(n) for peer, n in recv_numel.items()}
+        ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in received.items()]
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        self._count(category, sum(map(_nbytes, sends.values())),
+                    sum(map(_nbytes, received.values())), phase)
+        return received
+
+    def all_reduce(self, t: torch.Tensor, category: str,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """In-place SUM (gloo rejects AVG on older torch; callers normalise by global counts)."""
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        if size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            volume = 2 * (size - 1) * _nbytes(t) // size
+            self._count(category, volume, volume)
+        return t

@@ -1,0 +1,238 @@
+"""Training one plan: a rank's loop, the run's JSON result, and the torchrun entry for clusters.
+
+    torchrun --standalone --nproc-per-node 8 -m runtime.train --plan plan.json --steps 10
+    torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 \\
+             --nproc-per-node 8 -m runtime.train --plan plan.json
+
+Multi-node flags belong to torchrun; this module reads RANK, WORLD_SIZE and LOCAL_RANK from the
+environment, uses NCCL when CUDA is present (gloo otherwise) and prints the result on rank 0.
+`csbp run` (runtime.launch) runs the same loop in processes it starts on this host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from runtime.comm import CATEGORIES, PHASES, Comm
+from runtime.model import BlockDiffusionLM
+from runtime.plans import dp, rank_work
+from simulator.layout import Layout, attention_bytes_received, kv_row_bytes
+from simulator.plan import Plan
+from simulator.spec import ModelSpec
+from simulator.workload import Workload
+
+GIB = 1024**3
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LEARNING_RATE = 1e-3
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to run: the model, one step's workload, the plan, and how many steps."""
+
+    model: ModelSpec
+    workload: Workload
+    plan: Plan
+    steps: int = 3
+    warmup: int = 1
+    seed: int = 0
+    capture_gradients: bool = False  # tests: one step, no update, return every gradient
+
+
+@dataclass
+class RankReport:
+    rank: int
+    ctx_rank: int
+    losses: list[float]  # global loss of each measured step (the same on every rank)
+    step_times_s: list[float]
+    peak_memory_bytes: int  # CUDA allocator peak, or process high-water RSS on CPU
+    bytes_sent: dict[str, int]  # per category, last step
+    bytes_received: dict[str, int]
+    attention_received_by_phase: dict[str, int]
+    attention_bytes_predicted: int  # the layout's prediction for this rank, one step
+    attention_predicted_by_phase: dict[str, int]
+    gradients: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+
+def device_for(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def predicted_by_phase(job: Job, ctx_rank: int, layout: Layout) -> dict[str, int]:
+    """The layout's attention K/V + dK/dV bytes received by a rank in one step, by phase.
+
+    The layout describes one sequence; a micro-batch moves its rows once per sequence.
+    """
+    w = job.workload
+    return {ph: w.micro_batch * sum(layout.exchange(a, ph).rows_received(ctx_rank)
+                                    * kv_row_bytes(a, w.dtype_bytes) for a in job.model.layers)
+            for ph in PHASES}
+
+
+class Trainer:
+    """One rank: model, optimizer, its share of the plan, and the step."""
+
+    def __init__(self, job: Job, rank: int, device: torch.device):
+        self.job, self.rank, self.device = job, rank, device
+        self.comm = Comm()
+        self.work = rank_work(job.model, job.workload, job.plan, rank, self.comm)
+        self.model = BlockDiffusionLM(job.model, job.seed, job.workload.checkpointing == "full")
+        self.model.to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
+
+    def forward_backward(self, step: int) -> float:
+        """Loss and summed gradients of one step; returns the global loss."""
+        self.comm.reset()
+        dtype = AUTOCAST.get(self.job.workload.dtype)
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = self.work.loss(self.model, step, self.job.seed)
+        with self.comm.backward():
+            loss.backward()
+        dp.all_reduce_gradients(self.model, self.comm)
+        return self.comm.all_reduce(loss.detach().float().reshape(1), "other").item()
+
+    def step(self, step: int) -> float:
+        loss = self.forward_backward(step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def run(self) -> RankReport:
+        job = self.job
+        if job.capture_gradients:
+            losses, times = [self.forward_backward(0)], []
+        else:
+            for s in range(job.warmup):
+                self.step(s)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            losses, times = [], []
+            for s in range(job.warmup, job.warmup + job.steps):
+                self._sync()
+                start = time.perf_counter()
+                losses.append(self.step(s))
+                self._sync()
+                times.append(time.perf_counter() - start)
+        lay, w = self.work.layout, job.workload
+        predicted = attention_bytes_received(lay, job.model.layers, w.dtype_bytes)[self.work.ctx_rank]
+        grads = ({name: p.grad.detach().double().cpu().numpy()
+                  for name, p in self.model.named_parameters()} if job.capture_gradients else None)
+        return RankReport(self.rank, self.work.ctx_rank, losses, times, _peak_memory(self.device),
+                          dict(self.comm.sent), dict(self.comm.received),
+                          dict(self.comm.attention_received), predicted * w.micro_batch,
+                          predicted_by_phase(job, self.work.ctx_rank, lay), grads)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def run_jobs(jobs: list[Job], rank: int, device: torch.device) -> list[RankReport]:
+    """Every job in turn on this rank (the process group is already up)."""
+    reports = []
+    for job in jobs:
+        torch.manual_seed(job.seed)
+        reports.append(Trainer(job, rank, device).run())
+    return reports
+
+
+def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]) -> dict:
+    """The run's JSON result from every rank's report."""
+    per_step = [max(r.step_times_s[i] for r in reports) for i in range(len(reports[0].step_times_s))]
+    return {
+        "model": job.model.name,
+        "plan": job.plan.model_dump() | {"kind": job.plan.kind, "label": job.plan.label()},
+        "workload": job.workload.model_dump(),
+        "world": job.plan.world,
+        "device": device,
+        "backend": "nccl" if device == "cuda" else "gloo",
+        "steps": job.steps,
+        "warmup": job.warmup,
+        "step_time_s": statistics.median(per_step) if per_step else None,
+        "step_times_s": per_step,
+        "loss": reports[0].losses[-1],
+        "losses": reports[0].losses,
+        "tokens_per_s": (job.plan.dp * job.workload.micro_batch * job.workload.seq_len
+                         / statistics.median(per_step)) if per_step else None,
+        "peak_memory_gib": max(r.peak_memory_bytes for r in reports) / GIB,
+        "peak_memory_gib_per_rank": [r.peak_memory_bytes / GIB for r in reports],
+        "attention_bytes_counted": max(r.bytes_received["attention-kv"] for r in reports),
+        "attention_bytes_predicted": max(r.attention_bytes_predicted for r in reports),
+        "attention_bytes_match": all(r.bytes_received["attention-kv"] == r.attention_bytes_predicted
+                                     for r in reports),
+        "bytes_per_rank": [{c: {"sent": r.bytes_sent[c], "received": r.bytes_received[c]}
+                            for c in CATEGORIES} for r in reports],
+        "attention_bytes_by_phase_per_rank": [
+            {ph: {"counted": r.attention_received_by_phase[ph],
+                  "predicted": r.attention_predicted_by_phase[ph]}
+             for ph in r.attention_received_by_phase} for r in reports],
+        "notes": notes,
+    }
+
+
+def notes_for(job: Job, device: str, world: int) -> list[str]:
+    notes = ["bytes are per step: each rank's logical traffic (gloo's reduce-scatter moves more "
+             "on the wire); gradients count a ring all-reduce, 2(P-1)/P of the buffer each way",
+             "optimizer: replicated AdamW (ZeRO sharding not implemented in the runtime; "
+             f"zero_stage={job.workload.zero_stage} ignored)"]
+    if device == "cpu" and world > (os.cpu_count() or 1):
+        notes.append(f"world size {world} exceeds the {os.cpu_count()} CPU cores: ranks share "
+                     "cores, so step times are inflated")
+    if device == "cpu" and job.workload.dtype != "fp32":
+        notes.append(f"{job.workload.dtype} on CPU runs under autocast and is slow; fp32 is the "
+                     "CPU reference")
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry: the same flags as `csbp run`, ranks from the environment."""
+    from runtime.launch import add_run_args, job_from_args, print_result
+    from simulator.cli import _Parser
+    from simulator.errors import InputError
+
+    parser = _Parser(prog="python -m runtime.train", description=__doc__.split("\n")[0])
+    add_run_args(parser)
+    try:
+        args = parser.parse_args(argv)
+        job = job_from_args(args)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != job.plan.world:
+            raise InputError(f"the plan needs {job.plan.world} ranks, torchrun started {world}")
+    except InputError as err:
+        print(f"runtime.train: error: {err}", file=sys.stderr)
+        return 2
+    device = device_for(int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        (report,) = run_jobs([job], rank, device)
+        reports = [None] * world
+        dist.all_gather_object(reports, report)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print_result(summarize(job, reports, device.type, notes_for(job, device.type, world)), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
