@@ -123,23 +123,23 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
     sizes = sorted({s for _, s in two})
     small, large = sizes[0], sizes[-1]
     where = "gloo over TCP loopback, world size 2, one thread per rank"
-    # latency: one call of each group op at the smallest size = call + steps * step latency
-    ag, ar = two[("all_gather", small)], two[("all_reduce", small)]
-    step = max(1e-7, (ar - ag) / (ring_steps("all_reduce", 2) - ring_steps("all_gather", 2)))
-    call = max(1e-7, ag - ring_steps("all_gather", 2) * step)
-    p2p_latency = two[("send_recv", small)]
-
-    def bus(op: str) -> float:  # asymptote: wire bytes over the time left after latency
-        lat = p2p_latency if op == "send_recv" else call + ring_steps(op, 2) * step
-        return wire_bytes(op, large, 2) / max(1e-9, two[(op, large)] - lat) / 1e9
-
-    gbs = {op: bus(op) for op in (*GROUP_OPS, "send_recv")}
+    # alpha-beta per op through the smallest and largest size: time = latency + wire / bandwidth
+    gbs, lat = {}, {}
+    for op in (*GROUP_OPS, "send_recv"):
+        w_s, w_l = wire_bytes(op, small, 2), wire_bytes(op, large, 2)
+        bandwidth = (w_l - w_s) / max(1e-9, two[(op, large)] - two[(op, small)])
+        gbs[op], lat[op] = bandwidth / 1e9, max(1e-7, two[(op, small)] - w_s / bandwidth)
+    # ring latency = call + steps x step: all-gather (1 step at n = 2) and all-reduce (2 steps)
+    step = max(1e-7, (lat["all_reduce"] - lat["all_gather"])
+               / (ring_steps("all_reduce", 2) - ring_steps("all_gather", 2)))
+    call = max(1e-7, lat["all_gather"] - ring_steps("all_gather", 2) * step)
+    p2p_latency = lat["send_recv"]
     # size efficiency: what fraction of its asymptote each op reaches per bytes-per-rank
     points = []
     for op in GROUP_OPS:
-        lat = call + ring_steps(op, 2) * step
+        latency = call + ring_steps(op, 2) * step
         for s in sizes:
-            spent = max(1e-9, two[(op, s)] - lat)
+            spent = max(1e-9, two[(op, s)] - latency)
             points.append((per_rank_bytes(op, s, 2), wire_bytes(op, s, 2) / (gbs[op] * 1e9) / spent))
     curve = efficiency_curve(points, per_decade=1)
 
@@ -147,29 +147,31 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
         return f"{two[(op, s)] * 1e6:.0f} us"
 
     link = {
-        "collective_gbs": _figure(_round(gbs["all_gather"]), f"measured ({where}): all_gather_into_tensor "
-                                  f"of {large // MIB} MiB in {t('all_gather', large)}, ring wire bytes "
+        "collective_gbs": _figure(_round(gbs["all_gather"]), f"measured ({where}): the runtime's Comm.all_gather "
+                                  f"(all_gather_single) of {large // MIB} MiB in {t('all_gather', large)}, ring wire bytes "
                                   "(n-1)/n x buffer, latency subtracted"),
         "p2p_gbs": _figure(_round(gbs["send_recv"]), f"measured ({where}): batch_isend_irecv of "
                            f"{large // MIB} MiB to the ring neighbour in {t('send_recv', large)}"),
         "alltoall_gbs": _figure(_round(gbs["all_to_all"]), f"measured ({where}): all_to_all_single of "
                                 f"{large // MIB} MiB in {t('all_to_all', large)}, wire bytes (n-1)/n x buffer"),
-        "call_latency_us": _figure(_round(call * 1e6), f"measured ({where}): all_gather of "
-                                   f"{small // KIB} KiB ({t('all_gather', small)}) minus one step"),
-        "step_latency_us": _figure(_round(step * 1e6), f"measured ({where}): all_reduce ({t('all_reduce', small)}, "
-                                   f"2 steps) minus all_gather ({t('all_gather', small)}, 1 step) "
-                                   f"at {small // KIB} KiB"),
-        "p2p_latency_us": _figure(_round(p2p_latency * 1e6), f"measured ({where}): send/recv of "
-                                  f"{small // KIB} KiB"),
-        "size_efficiency": _figure(curve, f"measured ({where}): per bytes-per-rank bin, median over "
+        "call_latency_us": _figure(_round(call * 1e6), f"measured ({where}): all_gather latency "
+                                   f"(alpha of {small // KIB} KiB {t('all_gather', small)} and "
+                                   f"{large // MIB} MiB) minus one step"),
+        "step_latency_us": _figure(_round(step * 1e6), f"measured ({where}): all_reduce latency "
+                                   f"(2 steps; {t('all_reduce', small)} at {small // KIB} KiB) minus "
+                                   "all_gather latency (1 step)"),
+        "p2p_latency_us": _figure(_round(p2p_latency * 1e6), f"measured ({where}): send/recv "
+                                  f"latency (alpha; {t('send_recv', small)} at {small // KIB} KiB)"),
+        "size_efficiency": _figure(curve, f"measured ({where}): alpha-beta through the smallest and "
+                                   "largest size per op, then per bytes-per-rank bin, median over "
                                    "all_gather / reduce_scatter / all_reduce / all_to_all of (wire bytes / "
                                    "asymptotic bandwidth) / (time - latency), at "
                                    + ", ".join(f"{s // KIB} KiB" for s in sizes)),
         "all_reduce_gbs": _figure(_round(gbs["all_reduce"]), f"measured ({where}): all_reduce of "
                                   f"{large // MIB} MiB in {t('all_reduce', large)}, wire bytes 2(n-1)/n x buffer "
                                   "(includes the CPU reduction)"),
-        "reduce_scatter_gbs": _figure(_round(gbs["reduce_scatter"]), f"measured ({where}): reduce_scatter_tensor "
-                                      f"of {large // MIB} MiB in {t('reduce_scatter', large)} against "
+        "reduce_scatter_gbs": _figure(_round(gbs["reduce_scatter"]), f"measured ({where}): Comm.reduce_scatter "
+                                      f"(reduce_scatter_single) of {large // MIB} MiB in {t('reduce_scatter', large)} against "
                                       f"{t('all_reduce', large)} for all_reduce: gloo has no native ring "
                                       "reduce-scatter (torch PR #118911 emulates it), so it is priced "
                                       "from its own measurement, with ring wire bytes (n-1)/n x buffer"),

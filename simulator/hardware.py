@@ -194,6 +194,10 @@ class HardwareProfile(BaseModel):
         factor = gpu.masked_attention_efficiency_factor if masked else 1.0
         return interpolate(curve, tile_len) * factor
 
+    def on_one_host(self, ranks: int) -> "HardwareProfile":
+        """The same hardware with all `ranks` on one node (a CPU host running that many ranks)."""
+        return self.model_copy(update={"node": self.node.model_copy(update={"gpus_per_node": ranks})})
+
     def link(self, name: str) -> Link:
         """`nvlink` or `infiniband`."""
         if name not in Links.model_fields:
