@@ -1,0 +1,132 @@
+"""Every plan reproduces the single-process loss and gradients, and moves the predicted bytes.
+
+All cases of one world size run in one spawned process group (gloo, CPU, fp32), joined with a
+timeout; the reference runs in this process. Odd block counts (L=56, b=8: 7 blocks) make the
+dual-end schedule deal an unpaired middle block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import pytest
+
+from runtime.launch import spawn
+from runtime.model import BlockDiffusionLM
+from runtime.plans.reference import reference_work
+from runtime.train import Job
+from simulator.layout import Layout, attention_bytes_received
+from simulator.plan import parse_plan
+from simulator.presets import load_model
+from simulator.spec import AttentionSpec, ModelSpec, MoESpec
+from simulator.workload import Workload
+
+TOLERANCE = 1e-5
+SPAWN_TIMEOUT_S = 150
+
+TINY = load_model("tiny")
+SLIDING = ModelSpec(name="tiny-sliding", hidden=64, ffn=128, vocab=256, layers=(
+    AttentionSpec(kind="sliding", n_heads=4, n_kv_heads=2, head_dim=16, window=12),
+    AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16)))
+MOE = ModelSpec(name="tiny-moe", hidden=64, ffn=0, vocab=256, qkv_bias=True,
+                layers=(AttentionSpec(n_heads=4, n_kv_heads=1, head_dim=16, gated_q=True),) * 2,
+                moe=MoESpec(n_experts=4, top_k=2, expert_ffn=32, dense_ffn=32))
+SEVEN_BLOCKS = Workload(seq_len=56, block_size=8, dtype="fp32")
+NO_RECOMPUTE = SEVEN_BLOCKS.model_copy(update={"checkpointing": "none"})
+TWO_PER_REPLICA = SEVEN_BLOCKS.model_copy(update={"micro_batch": 2})
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: ModelSpec
+    workload: Workload
+    plan: str
+    transport: str = "collective"
+    schedule: str = "dual-end"
+
+    def job(self) -> Job:
+        plan = parse_plan(self.plan, transport=self.transport, schedule=self.schedule)
+        return Job(self.model, self.workload, plan, capture_gradients=True)
+
+
+CASES = {
+    1: [Case("single", TINY, SEVEN_BLOCKS, "dp=1")],
+    2: [Case("dp2-microbatch2", TINY, TWO_PER_REPLICA, "dp=2"),
+        Case("cp2", TINY, SEVEN_BLOCKS, "cp=2"),
+        Case("cp2-no-recompute", TINY, NO_RECOMPUTE, "cp=2"),
+        Case("cp2-ring", TINY, SEVEN_BLOCKS, "cp=2", "ring"),
+        Case("bp2", TINY, SEVEN_BLOCKS, "bp=2"),
+        Case("csbp-cp2-bp2", TINY, SEVEN_BLOCKS, "cp=2,bp=2"),
+        Case("csbp-cp2-bp2-ring", TINY, NO_RECOMPUTE, "cp=2,bp=2", "ring"),
+        Case("csbp-cp2-bp2-sliding", SLIDING, SEVEN_BLOCKS, "cp=2,bp=2"),
+        Case("cp2-sliding-ring", SLIDING, SEVEN_BLOCKS, "cp=2", "ring"),
+        Case("csbp-cp2-bp2-moe", MOE, SEVEN_BLOCKS, "cp=2,bp=2")],
+    4: [Case("cp4", TINY, SEVEN_BLOCKS, "cp=4"),
+        Case("cp4-ring", TINY, SEVEN_BLOCKS, "cp=4", "ring"),
+        Case("bp4-contiguous", TINY, SEVEN_BLOCKS, "bp=4", schedule="contiguous"),
+        Case("csbp-cp2-bp4", TINY, SEVEN_BLOCKS, "cp=2,bp=4"),
+        Case("csbp-cp2-bp4-ring", TINY, SEVEN_BLOCKS, "cp=2,bp=4", "ring"),
+        Case("csbp-cp4-bp4-sliding", SLIDING, SEVEN_BLOCKS, "cp=4,bp=4"),
+        Case("csbp-cp2-bp4-sliding", SLIDING, NO_RECOMPUTE, "cp=2,bp=4"),
+        Case("dp2-cp2", TINY, SEVEN_BLOCKS, "dp=2,cp=2"),
+        Case("dp2-csbp-cp2-bp2", TINY, TWO_PER_REPLICA, "dp=2,cp=2,bp=2")],
+}
+ALL = [(world, case) for world, cases in CASES.items() for case in cases]
+
+
+@cache
+def run_world(world: int) -> dict[str, list]:
+    """Reports of every case of one world size, by case name (one process group for all)."""
+    cases = CASES[world]
+    reports = spawn([c.job() for c in cases], world, "cpu", SPAWN_TIMEOUT_S)
+    return {c.name: r for c, r in zip(cases, reports)}
+
+
+@cache
+def reference(model: ModelSpec, workload: Workload, n_sequences: int):
+    m = BlockDiffusionLM(model, seed=0, checkpointing=workload.checkpointing == "full")
+    loss = reference_work(model, workload, n_sequences).loss(m, step=0, seed=0)
+    loss.backward()
+    return loss.item(), {n: p.grad.double().numpy() for n, p in m.named_parameters()}
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    scale = np.linalg.norm(want)
+    return float(np.linalg.norm(got - want) / (scale if scale > 0 else 1.0))
+
+
+def ids(item):
+    return f"world{item[0]}-{item[1].name}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, case", ALL, ids=[ids(a) for a in ALL])
+def test_loss_and_every_gradient_match_the_single_process_reference(world, case):
+    reports = run_world(world)[case.name]
+    plan = case.job().plan
+    ref_loss, ref_grads = reference(case.model, case.workload, plan.dp * case.workload.micro_batch)
+    for r in reports:
+        assert abs(r.losses[0] - ref_loss) <= TOLERANCE * abs(ref_loss)
+        assert r.gradients.keys() == ref_grads.keys()
+        errors = {n: relative_error(r.gradients[n], ref_grads[n]) for n in ref_grads}
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, f"rank {r.rank}: {worst} off by {errors[worst]:.2e}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, case", ALL, ids=[ids(a) for a in ALL])
+def test_counted_attention_bytes_equal_the_layout_prediction(world, case):
+    reports = run_world(world)[case.name]
+    plan = case.job().plan
+    layout = Layout.build(case.workload, plan)
+    predicted = attention_bytes_received(layout, case.model.layers, case.workload.dtype_bytes)
+    for r in reports:
+        assert r.bytes_received["attention-kv"] == predicted[r.ctx_rank] * case.workload.micro_batch
+        assert r.attention_received_by_phase == r.attention_predicted_by_phase
+    if plan.kind in ("cp", "csbp"):
+        assert all(r.bytes_received["attention-kv"] > 0 for r in reports)
+    if case.workload.checkpointing == "none":
+        assert all(r.attention_received_by_phase["recompute"] == 0 for r in reports)
