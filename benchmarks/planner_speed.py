@@ -10,12 +10,11 @@ of `csbp plan` works here too. Not a timed test; run:
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 from simulator.cli_args import add_cluster_args, add_workload_args, inputs_from_args
 from simulator.hardware import load_profile
-from simulator.planner import search
+from simulator.planner import available_cores, search
 
 
 def main() -> None:
@@ -27,7 +26,7 @@ def main() -> None:
     inputs = inputs_from_args(args)
     profile = load_profile(args.hardware)
     gpus = args.nodes * profile.node.gpus_per_node
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = available_cores()
     print(f"{inputs.model.name} at seq-len {inputs.workload.seq_len} on {gpus} GPUs "
           f"({profile.name}), {cores} CPU cores")
     for engine, what in (("closed-form", "screen only"), ("des", "full search: screen + event engine")):

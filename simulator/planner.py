@@ -12,17 +12,22 @@ and grouped by a normalised reason, so the user sees why a topology is missing f
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from functools import partial
 from itertools import product
 from typing import get_args
 
 from simulator.errors import InputError
 from simulator.hardware import HardwareProfile
-from simulator.plan import Plan, Schedule, Transport, one_line
+from simulator.plan import AXES, Plan, Schedule, Transport, one_line
 from simulator.result import Result
+from simulator.simulate import simulate
 from simulator.spec import ModelSpec
 from simulator.workload import Checkpointing, Workload
 
@@ -92,7 +97,7 @@ def reason_group(reason: str, rule: bool) -> str:
     sizes and the detail after ':' or ';' (model names, arithmetic), e.g.
     'tp=16 does not divide 32 attention heads' -> 'rule: tp does not divide N attention heads'.
     """
-    if re.search(r"memory|\boom\b", reason, re.IGNORECASE):
+    if re.search(r"memory|\bGiB\b|\boom\b", reason, re.IGNORECASE):
         return "memory"
     text = re.split(r"[:;]", re.sub(r"\([^)]*\)", "", reason))[0]
     text = re.sub(r"\b(dp|tp|ep|cp|bp)\s*=\s*\d+", r"\1", text)
@@ -118,18 +123,19 @@ class Space:
 
 
 def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
-                    checkpointing: tuple[str, ...] = get_args(Checkpointing)) -> Space:
+                    checkpointing: tuple[str, ...] = get_args(Checkpointing),
+                    axes: tuple[str, ...] = AXES) -> Space:
     """Every (dp, tp, ep, cp, bp) with dp*tp*ep*max(cp, bp) == gpus, times the choices that matter.
 
     Transport only changes plans that exchange clean K/V (cp > 1); the block schedule only changes
     plans that own noisy blocks (bp > 1); elsewhere the default stands in, so no two candidates
-    are the same computation.
+    are the same computation. Axes left out of `axes` stay at degree 1.
     """
     space = Space([], {})
     divisors = _divisors(gpus)
-    for tp, ep, cp, bp in product(divisors, repeat=4):
+    for tp, ep, cp, bp in product(*((divisors if a in axes else [1]) for a in AXES[1:])):
         inner = tp * ep * max(cp, bp)
-        if gpus % inner:
+        if gpus % inner or ("dp" not in axes and inner != gpus):
             continue
         degrees = {"dp": gpus // inner, "tp": tp, "ep": ep, "cp": cp, "bp": bp}
         label = ",".join(f"{a}={v}" for a, v in degrees.items() if v > 1) or "dp=1"
@@ -209,26 +215,48 @@ def _to_rescore(screened: list[tuple[Candidate, Result]], top: int) -> list[int]
     return chosen
 
 
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _simulate_one(model: ModelSpec, profile: HardwareProfile, nodes: int, engine: str,
+                  cand: Candidate) -> Result:
+    result = simulate(model, cand.workload, cand.plan, profile, nodes, engine=engine)
+    return replace(result, trace=[])  # the planner ranks; traces are for `csbp simulate --trace`
+
+
+def simulate_all(model: ModelSpec, cands: list[Candidate], profile: HardwareProfile, nodes: int,
+                 engine: str, workers: int) -> list[Result]:
+    """Every candidate simulated, in order; over `workers` processes where the OS can fork.
+
+    Candidates are independent, so a search scales with cores. Fork (not spawn) because workers
+    then share the already-imported simulator and start in milliseconds.
+    """
+    job = partial(_simulate_one, model, profile, nodes, engine)
+    if workers < 2 or len(cands) < 2 or "fork" not in mp.get_all_start_methods():
+        return [job(c) for c in cands]
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+        return list(pool.map(job, cands, chunksize=max(1, len(cands) // (4 * workers))))
+
+
 def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
-           des_top: int = DES_TOP) -> Search:
+           axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None) -> Search:
     """Screen every candidate with the closed form, re-score the best with `engine`, rank.
 
-    `engine="closed-form"` skips the second stage (sweeps and tests). Raises InputError for an impossible cluster or when nothing
-    fits.
+    `engine="closed-form"` skips the second stage (sweeps and tests). `workers` defaults to the
+    cores this process may use. Raises InputError for an impossible cluster or when nothing fits.
     """
-    from simulator.simulate import simulate
-
     if nodes < 1:
         raise InputError(f"impossible cluster: {nodes} nodes (need at least 1)")
     start = time.perf_counter()
     gpus = nodes * profile.node.gpus_per_node
-    space = enumerate_space(model, workload, gpus, checkpointing)
+    space = enumerate_space(model, workload, gpus, checkpointing, axes)
     groups = dict(space.rejected)
+    workers = workers or available_cores()
 
     def evaluate(cands: list[Candidate], eng: str) -> Iterator[tuple[Candidate, Result]]:
-        for cand in cands:
-            result = simulate(model, cand.workload, cand.plan, profile, nodes, engine=eng)
+        for cand, result in zip(cands, simulate_all(model, cands, profile, nodes, eng, workers)):
             if result.feasible:
                 yield cand, result
             else:

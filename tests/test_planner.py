@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 
@@ -39,9 +37,7 @@ def fake_result(model, workload, plan: Plan, profile, nodes, engine="des", overl
 
 @pytest.fixture
 def fake_engine(monkeypatch):
-    module = types.ModuleType("simulator.simulate")
-    module.simulate = fake_result
-    monkeypatch.setitem(sys.modules, "simulator.simulate", module)
+    monkeypatch.setattr(planner, "simulate", fake_result)
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +108,8 @@ def test_closed_form_only_search(fake_engine, h200):
 
 
 def test_nothing_feasible_is_input_error(monkeypatch, h200):
-    module = types.ModuleType("simulator.simulate")
-    module.simulate = lambda model, wl, plan, *a, engine="des", **k: Result(
-        False, "out of memory: 999 GiB", model.name, "h200", 1, 8, {}, {}, engine)
-    monkeypatch.setitem(sys.modules, "simulator.simulate", module)
+    monkeypatch.setattr(planner, "simulate", lambda model, wl, plan, *a, engine="des", **k: Result(
+        False, "infeasible: needs 999 GiB per GPU", model.name, "h200", 1, 8, {}, {}, engine))
     with pytest.raises(InputError, match="nothing feasible.*memory"):
         planner.search(TINY, WL, h200, nodes=1)
 
@@ -170,3 +164,31 @@ def test_torchrun_command():
         "torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 "
         "--nproc-per-node 8 -m runtime.train --plan plan.json")
     assert torchrun_command(1, 8, "p.json").startswith("torchrun --standalone --nproc-per-node 8")
+
+
+def test_axes_restrict_the_space():
+    space = planner.enumerate_space(TINY, WL, 8, axes=("dp", "cp", "bp"))
+    assert space.candidates and all(c.plan.tp == c.plan.ep == 1 for c in space.candidates)
+    only_ctx = planner.enumerate_space(TINY, WL, 8, axes=("cp", "bp"))
+    assert all(c.plan.dp == 1 and c.plan.ctx == 8 for c in only_ctx.candidates)
+
+
+def test_out_writes_a_runtime_plan_file(fake_engine, tmp_path, capsys):
+    from runtime import planfile
+
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny", "--seq-len", "4096", "--nodes", "1", "--axes", "dp,cp,bp",
+            "--out", str(path), "--json"]
+    assert csbp(*argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    pf = planfile.load(path)
+    rec = out["recommended"]
+    assert pf.model == "tiny" and pf.nodes == 1 and pf.hardware == "h200"
+    assert pf.plan.bp == rec["plan"]["bp"] and pf.plan.tp == 1
+    assert pf.workload.checkpointing == rec["workload"]["checkpointing"]
+    assert out["torchrun"].endswith(f"-m runtime.train --plan {path}")
+
+
+def test_bad_axes(capsys):
+    assert csbp("plan", "--axes", "dp,xp") == 2
+    assert "--axes" in capsys.readouterr().err

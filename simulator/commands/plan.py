@@ -11,9 +11,12 @@ from simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, 
                                 add_cluster_args, add_workload_args, inputs_from_args)
 from simulator.errors import InputError
 from simulator.hardware import load_profile
+from simulator.plan import AXES
 from simulator.planner import describe, fmt_tokens, plan_of, search
 from simulator.report import fmt_time, print_json
+from simulator.presets import PRESET_NAMES, load_model
 from simulator.result import Result
+from simulator.workload import Workload
 
 DEFAULT_JOB = "Nemotron-Labs-Diffusion 8B at 256K on 2 x 8 H200"
 
@@ -27,13 +30,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_cluster_args(p)
     p.set_defaults(checkpointing=None)  # searched unless given
+    p.add_argument("--axes", default=",".join(AXES),
+                   help="axes the search may use, others stay 1 (default: all; e.g. dp,cp,bp for a "
+                        "runtime without TP/EP)")
     p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
     p.add_argument("--engine", default="des", choices=["des", "closed-form"],
                    help="engine of the final ranking (closed-form: screen only, fastest)")
+    p.add_argument("--jobs", type=int, default=None, help="processes for the search (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", metavar="PLAN_JSON", help="write the recommended plan file for "
                    "`csbp run --plan` and `torchrun -m runtime.train --plan`")
     p.set_defaults(func=run)
+
+
+def parse_axes(text: str) -> tuple[str, ...]:
+    axes = tuple(a.strip().lower() for a in text.split(",") if a.strip())
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or not axes:
+        raise InputError(f"--axes {text!r}: use a comma-separated subset of {', '.join(AXES)}")
+    return axes
 
 
 def is_default_job(args: argparse.Namespace) -> bool:
@@ -48,10 +63,25 @@ def torchrun_command(nodes: int, gpus_per_node: int, plan_file: str) -> str:
     return f"torchrun {rendezvous} --nproc-per-node {gpus_per_node} -m runtime.train --plan {plan_file}"
 
 
+def write_plan_file(found, path: str, hardware: str) -> None:
+    """The recommendation as a runtime plan file, with its prediction for later comparison."""
+    from runtime import planfile
+
+    rec, model = found.recommended, found.model
+    # A preset travels by name (readable, and the runtime rebuilds the same spec); anything else
+    # (a config.json) travels as the full spec, so the file does not depend on a local path.
+    by_name = model.name in PRESET_NAMES and load_model(model.name) == model
+    planfile.dump(planfile.PlanFile(
+        model=model.name if by_name else model, workload=Workload(**rec.workload), plan=plan_of(rec),
+        hardware=hardware, nodes=found.nodes, prediction=rec.to_json()), path)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise InputError(f"--top {args.top}: must be at least 1")
-    searched = {"checkpointing": (args.checkpointing,)} if args.checkpointing else {}
+    searched = {"axes": parse_axes(args.axes), "workers": args.jobs}
+    if args.checkpointing:
+        searched["checkpointing"] = (args.checkpointing,)
     inputs = inputs_from_args(argparse.Namespace(**vars(args) | {"checkpointing": args.checkpointing or "full"}))
     profile = load_profile(args.hardware)
     log = Console(stderr=args.json)  # with --json, stdout holds only the JSON object
@@ -64,9 +94,7 @@ def run(args: argparse.Namespace) -> int:
                    **searched)
     command = None
     if args.out:
-        from simulator.planner import write_plan_file
-
-        write_plan_file(found, args.out)
+        write_plan_file(found, args.out, args.hardware)
         command = torchrun_command(args.nodes, profile.node.gpus_per_node, args.out)
     if args.json:
         print_json(_json(found, args, command))
