@@ -198,8 +198,11 @@ class Search:
         return best
 
 
-def _tokens(r: Result) -> float:
-    return r.tokens_per_s or 0.0
+def rank_key(r: Result) -> tuple[float, float, float]:
+    """Faster first; among equally fast plans (compute-bound ones tie exactly), the one with more
+    memory headroom, then less attention traffic (less exposed to a busy network)."""
+    return (-float(f"{r.tokens_per_s or 0.0:.9g}"), r.peak_memory_gib or 0.0,
+            r.attention_traffic_gib_per_gpu)
 
 
 def _to_rescore(screened: list[tuple[Candidate, Result]], top: int) -> list[int]:
@@ -264,13 +267,13 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
                 groups.setdefault(key, InfeasibleGroup(key, result.reason or "infeasible")) \
                     .plans.append(f"{cand.label} ({eng})")
 
-    screened = sorted(evaluate(space.candidates, "closed-form"), key=lambda cr: -_tokens(cr[1]))
+    screened = sorted(evaluate(space.candidates, "closed-form"), key=lambda cr: rank_key(cr[1]))
     evaluations = len(space.candidates)
     ranked = [r for _, r in screened]
     if engine != "closed-form" and screened:
         picks = _to_rescore(screened, des_top)
         rescored = sorted((r for _, r in evaluate([screened[i][0] for i in picks], engine)),
-                          key=lambda r: -_tokens(r))
+                          key=rank_key)
         evaluations += len(picks)
         picked = set(picks)
         ranked = rescored + [r for i, (_, r) in enumerate(screened) if i not in picked]

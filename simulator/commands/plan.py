@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -126,7 +127,7 @@ def _json(found, args: argparse.Namespace, command: str | None) -> dict:
 
 
 def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f} GiB"
+    return "-" if x is None else f"{x:.2f} GiB" if x < 10 else f"{x:.1f} GiB"
 
 
 def _summary(r: Result) -> str:
@@ -142,7 +143,8 @@ def _why(found) -> list[str]:
         return ["no plan without block parallelism fits: BP is what makes this job possible"]
     if base is rec:
         return ["no block-parallel plan beats it on this cluster"]
-    reasons = [f"{found.speedup:.2f}x the baseline's tokens/s"]
+    reasons = [f"{found.speedup:.2f}x the baseline's tokens/s" if found.speedup >= 1.005 else
+               "ties the baseline on tokens/s (within 0.5 %)"]
     if rec.attention_traffic_gib_per_gpu < base.attention_traffic_gib_per_gpu:
         ratio = base.attention_traffic_gib_per_gpu / max(rec.attention_traffic_gib_per_gpu, 1e-9)
         reasons.append(f"{ratio:.1f}x less attention traffic per GPU" if rec.attention_traffic_gib_per_gpu
@@ -151,6 +153,8 @@ def _why(found) -> list[str]:
             and rec.exposed_comm_s < base.exposed_comm_s:
         reasons.append(f"exposed communication {fmt_time(rec.exposed_comm_s)} vs "
                        f"{fmt_time(base.exposed_comm_s)}")
+    if rec.peak_memory_gib < base.peak_memory_gib:
+        reasons.append(f"{base.peak_memory_gib - rec.peak_memory_gib:.1f} GiB less peak memory")
     usable = found.profile.gpu.usable_gib
     reasons.append(f"peak memory {_gib(rec.peak_memory_gib)} of {usable:.0f} GiB usable")
     return reasons
@@ -162,6 +166,8 @@ def _label(r: Result) -> str:
 
 def _print(found, args: argparse.Namespace, command: str | None) -> None:
     console = Console()
+    if not console.is_terminal:  # a file or a pipe has no width: do not squeeze the tables to 80
+        console = Console(width=140)
     rec, base = found.recommended, found.baseline
     console.print(f"\n[bold green]Recommended[/]: [bold]{_label(rec)}[/] ({rec.plan['kind']})",
                   highlight=False)
@@ -185,28 +191,29 @@ def _print(found, args: argparse.Namespace, command: str | None) -> None:
 
 
 def _ranking(found, top: int) -> Table:
+    """Compact enough for a 100-column terminal; `--json` has every figure in full."""
     base = found.baseline
-    table = Table(title=f"Top {min(top, len(found.ranked))} of {len(found.ranked)} feasible candidates")
-    table.add_column("#", justify="right")
-    table.add_column("plan", no_wrap=True)
-    table.add_column("choices")
-    for col in ("tokens/s", "vs base", "step", "peak mem", "attn/GPU", "exposed"):
-        table.add_column(col, justify="right")
-    table.add_column("engine")
+    table = Table(title=f"Top {min(top, len(found.ranked))} of {len(found.ranked)} feasible candidates",
+                  box=box.SIMPLE_HEAD, caption="K/V: clean K/V transport; blocks: noisy-block schedule; "
+                  "ckpt: activation checkpointing; cf: closed-form screen only", caption_justify="left")
+    for col, justify in (("#", "right"), ("plan", "left"), ("K/V", "left"), ("blocks", "left"),
+                         ("ckpt", "left"), ("tokens/s", "right"), ("vs base", "right"), ("step", "right"),
+                         ("peak mem", "right"), ("attn/GPU", "right"), ("exposed", "right"), ("engine", "left")):
+        table.add_column(col, justify=justify, no_wrap=col == "plan")
     for i, r in enumerate(found.ranked[:top], 1):
         plan = plan_of(r)
-        choices = [c for c, used in ((plan.transport, plan.cp > 1), (plan.schedule, plan.bp > 1)) if used]
-        choices.append(f"ckpt {r.workload['checkpointing']}")
-        table.add_row(str(i), plan.label() + (" [dim](baseline)[/dim]" if r is base else ""),
-                      ", ".join(choices), f"{r.tokens_per_s:,.0f}",
+        table.add_row(str(i), plan.label() + (" (baseline)" if r is base else ""),
+                      plan.transport if plan.cp > 1 else "-", plan.schedule if plan.bp > 1 else "-",
+                      r.workload["checkpointing"], f"{r.tokens_per_s:,.0f}",
                       f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-",
                       fmt_time(r.step_time_s), _gib(r.peak_memory_gib),
-                      f"{r.attention_traffic_gib_per_gpu:.2f} GiB", fmt_time(r.exposed_comm_s), r.engine)
+                      _gib(r.attention_traffic_gib_per_gpu), fmt_time(r.exposed_comm_s),
+                      "cf" if r.engine == "closed-form" else r.engine)
     return table
 
 
 def _infeasible(found) -> Table:
-    table = Table(title="Infeasible, grouped by reason")
+    table = Table(title="Infeasible, grouped by reason", box=box.SIMPLE_HEAD)
     table.add_column("reason")
     table.add_column("count", justify="right")
     table.add_column("for example")
