@@ -1,0 +1,123 @@
+"""Engines turn a StepGraph and a HardwareProfile into a timeline of the step.
+
+Both engines read the same graph and produce the same `Timeline` (start and finish of every op on
+every representative rank), so everything derived from it (step time, exposed communication,
+time by phase, the trace) is computed once here and the engines can be tested against each other:
+- `closed_form`: one pass in program order, communication running beside compute without
+  contention; milliseconds per plan, for screening;
+- `des`: a simpy discrete-event simulation with a compute and a communication stream per rank,
+  where transfers queue behind each other.
+With `overlap=False` each rank has a single stream and the two agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from simulator.cost import seconds
+from simulator.graph import Comm, StepGraph
+from simulator.hardware import HardwareProfile
+from simulator.result import TraceEvent
+
+ENGINES = ("des", "closed-form")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    start: np.ndarray  # [op, rank] seconds
+    finish: np.ndarray
+
+    @property
+    def step_time_s(self) -> float:
+        return float(self.finish.max()) if self.finish.size else 0.0
+
+    @property
+    def critical_rank(self) -> int:
+        return int(self.finish.max(axis=0).argmax()) if self.finish.size else 0
+
+
+def durations(graph: StepGraph, profile: HardwareProfile) -> np.ndarray:
+    """[op, rank] seconds; identical layers share work objects, so each is priced once."""
+    priced: dict[int, np.ndarray] = {}
+    out = np.zeros((len(graph.ops), graph.ranks))
+    for op in graph.ops:
+        key = id(op.work)
+        if key not in priced:
+            priced[key] = seconds(op.work, profile)
+        out[op.index] = priced[key]
+    return out
+
+
+def simulate_graph(graph: StepGraph, profile: HardwareProfile, engine: str = "des",
+                   overlap: bool = True) -> tuple[Timeline, np.ndarray]:
+    """(timeline, durations) of the step with the named engine."""
+    d = durations(graph, profile)
+    if engine == "des":
+        from simulator.engine.des import run
+    elif engine == "closed-form":
+        from simulator.engine.closed_form import run
+    else:
+        from simulator.errors import InputError
+
+        raise InputError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
+    return run(graph, d, overlap), d
+
+
+@dataclass(frozen=True)
+class Summary:
+    step_time_s: float
+    exposed_comm_s: float
+    phases_s: dict[str, float]
+    trace: list[TraceEvent]
+
+
+def summarize(graph: StepGraph, timeline: Timeline, d: np.ndarray, with_trace: bool = True) -> Summary:
+    """Step time, exposed communication and time by phase on the critical rank, and the trace.
+
+    The compute stream is serial, so whatever part of the step it is not computing is spent
+    waiting for communication (or for a slower peer inside a collective): that is the exposed
+    communication. Each idle stretch is charged to the phase of the transfer that ended it.
+    """
+    r = timeline.critical_rank
+    step = timeline.step_time_s
+    compute = [op for op in graph.ops if not isinstance(op.work, Comm)]
+    comm = sorted((op for op in graph.ops if isinstance(op.work, Comm)),
+                  key=lambda op: timeline.finish[op.index, r])
+    ends = np.array([timeline.finish[op.index, r] for op in comm])
+    phases: dict[str, float] = {}
+
+    def charge(phase: str, seconds: float) -> None:
+        phases[phase] = phases.get(phase, 0.0) + seconds
+
+    def waited_for(since: float, until: float, default: str) -> str:
+        """Phase of the last transfer that ended inside the idle stretch (since, until]."""
+        j = int(np.searchsorted(ends, until, side="right")) - 1
+        return comm[j].phase if j >= 0 and ends[j] > since else default
+
+    busy, end = 0.0, 0.0
+    for op in compute:  # one stream: program order is time order
+        begin = float(timeline.start[op.index, r])
+        if begin - end > 0:
+            charge(waited_for(end, begin, op.phase), begin - end)
+        charge(op.phase, float(d[op.index, r]))
+        busy += float(d[op.index, r])
+        end = float(timeline.finish[op.index, r])
+    if step - end > 0:
+        charge(waited_for(end, step, "grad-sync"), step - end)
+    trace = _trace(graph, timeline) if with_trace else []
+    return Summary(step, max(0.0, step - busy), phases, trace)
+
+
+def _trace(graph: StepGraph, timeline: Timeline) -> list[TraceEvent]:
+    events = []
+    for op in graph.ops:
+        category = op.work.category if isinstance(op.work, Comm) else "compute"
+        name = op.name if op.layer is None else f"L{op.layer}.{op.name}"
+        for r in range(graph.ranks):
+            dur = float(timeline.finish[op.index, r] - timeline.start[op.index, r])
+            if dur > 0:
+                events.append(TraceEvent(r, op.stream, name, float(timeline.start[op.index, r]),
+                                         dur, op.phase, category))
+    return events

@@ -1,0 +1,77 @@
+"""Discrete-event simulation of one step (simpy): a compute and a communication stream per rank.
+
+Each stream runs its ops in program order (like a CUDA stream); an op starts when its inputs are
+done and its stream is free; a collective starts when its last member has arrived and ends for
+all members together. Transfers on one rank queue behind each other, which the closed form
+ignores. Events stay few: one timeout per op, plus a wait only where an input is not done yet,
+so a 1024-GPU plan (16 representative ranks x 64 layers) takes about a second.
+With overlap=False a rank has one stream for both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import simpy
+
+from simulator.engine import Timeline
+from simulator.graph import Comm, StepGraph
+
+
+def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
+    env = simpy.Environment()
+    start = np.zeros_like(d)
+    finish = np.full_like(d, np.nan)
+    waiting: dict[tuple[int, int], simpy.Event] = {}  # (op, rank) -> event someone waits on;
+    # (-1 - op, rank) -> that rank's arrival at a send/recv
+    arrived: set[tuple[int, int]] = set()
+    barriers: dict[tuple[int, int], list] = {}  # (op, first member) -> [arrived, event]
+    member_set = {}
+    for op in graph.ops:
+        if isinstance(op.work, Comm) and len(op.work.group.sync) < graph.ranks:
+            member_set[op.index] = {r: g for g in op.work.group.sync for r in g}
+
+    def done(i: int, r: int) -> simpy.Event:
+        if (i, r) not in waiting:
+            waiting[(i, r)] = env.event()
+        return waiting[(i, r)]
+
+    def stream(r: int, ops: list[int]):
+        for i in ops:
+            op = graph.ops[i]
+            for dep in op.deps:
+                if np.isnan(finish[dep, r]):
+                    yield done(dep, r)
+            members = member_set.get(i, {}).get(r)
+            if members is not None and len(members) > 1:
+                slot = barriers.setdefault((i, members[0]), [0, env.event()])
+                slot[0] += 1
+                if slot[0] == len(members):
+                    slot[1].succeed()
+                else:
+                    yield slot[1]
+            peer = op.work.peer[r] if isinstance(op.work, Comm) and op.work.peer else r
+            if peer != r:  # a send/recv starts once its sender is there too
+                arrived.add((i, r))
+                event = waiting.pop((-1 - i, r), None)
+                if event is not None:
+                    event.succeed()
+                if (i, peer) not in arrived:
+                    yield done(-1 - i, peer)
+            start[i, r] = env.now
+            if d[i, r] > 0:
+                yield env.timeout(d[i, r])
+            finish[i, r] = env.now
+            event = waiting.pop((i, r), None)
+            if event is not None:
+                event.succeed()
+
+    for r in range(graph.ranks):
+        if overlap:
+            env.process(stream(r, [op.index for op in graph.ops if op.stream == "compute"]))
+            env.process(stream(r, [op.index for op in graph.ops if op.stream == "comm"]))
+        else:
+            env.process(stream(r, [op.index for op in graph.ops]))
+    env.run()
+    if np.isnan(finish).any():
+        raise RuntimeError("the step graph deadlocked: an op waits for one issued after it")
+    return Timeline(start, finish)

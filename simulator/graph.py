@@ -1,0 +1,652 @@
+"""One training step as ops on the representative ranks of one context group: what runs, not how fast.
+
+The representative ranks are the max(cp, bp) ranks that share one sequence; their DP, EP and TP
+peers run the same ops on other data, so they are copies (symmetry). An op holds one size per
+representative rank (ranks differ in positions, blocks and pairs), so the op list is one
+structure for the whole group and the engines evaluate it for all ranks at once.
+
+Compute ops carry FLOPs, HBM bytes, a kind and (attention) a tile length; communication ops carry
+the bytes each rank receives, the collective, the group (its size, whether it spans nodes, and
+which representative ranks wait for each other) and a traffic category. Attention K/V bytes come
+from the Layout's exchanges, never recomputed here. Dependencies are data dependencies; the order
+of `ops` is program order, which is also each stream's issue order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+import numpy as np
+
+from simulator import mask
+from simulator.layout import Exchange, Layout, kv_row_bytes
+from simulator.plan import Plan
+from simulator.spans import Span, intersect, normalize, size
+from simulator.spec import AttentionSpec, ModelSpec
+from simulator.workload import Workload
+
+ComputeKind = Literal["gemm", "attention-fwd", "attention-bwd", "elementwise", "optimizer"]
+Collective = Literal["all-gather", "reduce-scatter", "all-reduce", "all-to-all", "p2p"]
+Category = Literal["attention-kv", "gradients", "tp", "ep", "params", "other"]
+Phase = Literal["forward", "recompute", "backward", "grad-sync", "optimizer", "param-sync"]
+
+# FlashAttention backward does 5 matmuls against the forward's 2 (FlashAttention-2 paper, sec. 3).
+ATTENTION_BACKWARD_FLOP_RATIO = 2.5
+# Training does dgrad + wgrad: a linear layer's backward is twice its forward.
+GEMM_BACKWARD_FLOP_RATIO = 2.0
+# Query/key tile of FA3 at head dim <= 256 (kBlockM = 128): masks not aligned to it waste work.
+ATTENTION_KERNEL_TILE = 128
+# Chunk length of the chunked (gated) delta rule in flash-linear-attention (chunk_size = 64).
+DELTA_RULE_CHUNK = 64
+# Fused AdamW per parameter: reads fp32 master, m, v and a bf16 grad, writes master, m, v and the
+# bf16 weight: 3*4+2 bytes each way.
+ADAMW_BYTES_PER_PARAM = 28
+
+PerRank = tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Who takes part in one collective.
+
+    `size` counts every member of the job (copies included) and sets the algorithm's steps;
+    `per_node` is the fewest members that share a node in any instance of the group (equal to
+    `size` when the group sits inside one node), so a spanning group is priced on its slowest
+    level; `sync` lists the representative ranks that wait for each other.
+    """
+
+    size: int
+    per_node: int
+    sync: tuple[tuple[int, ...], ...]
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.per_node < self.size
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.size / self.per_node)
+
+
+@dataclass(frozen=True)
+class Compute:
+    kind: ComputeKind
+    flops: PerRank
+    bytes: PerRank  # HBM traffic (what prices memory-bound ops)
+    kernels: int = 1  # GEMM calls the FLOPs are split into: efficiency depends on one call's size
+    tile_len: PerRank = ()  # attention: mean keys per query the kernel sweeps
+    masked: bool = False  # attention: mask edges cut kernel tiles
+
+
+@dataclass(frozen=True)
+class Comm:
+    collective: Collective
+    bytes: PerRank  # received per rank
+    group: Group
+    category: Category
+    peer: tuple[int, ...] = ()  # p2p: the rank each one receives from; both ends must be there
+
+
+Work = Union[Compute, Comm]
+
+
+@dataclass(frozen=True)
+class Op:
+    index: int
+    name: str
+    phase: Phase
+    layer: int | None
+    work: Work
+    deps: tuple[int, ...]
+
+    @property
+    def stream(self) -> str:
+        return "comm" if isinstance(self.work, Comm) else "compute"
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """The ops of one training step for the representative ranks of one context group."""
+
+    ranks: int
+    ops: tuple[Op, ...]
+    model_flops: float  # FLOPs of the step's math for one context group, once, without recompute
+    views: int = 1  # forward/backward passes over the sequence per step (objective)
+    notes: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def build(cls, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
+              gpus_per_node: int) -> "StepGraph":
+        return _Builder(model, workload, plan, layout, gpus_per_node).build()
+
+    def flops(self, include_recompute: bool = True) -> np.ndarray:
+        """FLOPs each representative rank executes in one step."""
+        out = np.zeros(self.ranks)
+        for op in self.ops:
+            if isinstance(op.work, Compute) and (include_recompute or op.phase != "recompute"):
+                out += op.work.flops
+        return out
+
+    def received_bytes(self) -> dict[str, np.ndarray]:
+        """Bytes each representative rank receives per step, by traffic category."""
+        out: dict[str, np.ndarray] = {}
+        for op in self.ops:
+            if isinstance(op.work, Comm):
+                out.setdefault(op.work.category, np.zeros(self.ranks))
+                out[op.work.category] += op.work.bytes
+        return out
+
+
+# ---- placement: which ranks of a group share a node --------------------------------------------
+def group_on_nodes(plan: Plan, gpus_per_node: int, axes: tuple[str, ...],
+                   ctx_block: int | None = None) -> tuple[int, int]:
+    """(size, fewest members on one node over all instances) of the groups spanning `axes`.
+
+    Global ranks follow `plan.placement`, innermost axis first. `ctx_block` splits the context
+    axis into consecutive sub-groups of that size (the cp groups of CSBP).
+    """
+    dims = {"tp": plan.tp, "ctx": plan.ctx, "ep": plan.ep, "dp": plan.dp}
+    order = plan.placement.split(",")
+    coords = np.indices([dims[a] for a in order]).reshape(len(order), -1)
+    strides = np.cumprod([1] + [dims[a] for a in order[:-1]])
+    node = (strides[:, None] * coords).sum(axis=0) // gpus_per_node
+    key = np.zeros(coords.shape[1], dtype=np.int64)
+    for i, a in enumerate(order):
+        if a not in axes:
+            key = key * dims[a] + coords[i]
+    n = int(np.prod([dims[a] for a in axes]))
+    if ctx_block is not None and "ctx" in axes:
+        ci = order.index("ctx")
+        key = key * dims["ctx"] + coords[ci] // ctx_block
+        n = n // dims["ctx"] * ctx_block
+    _, counts = np.unique(np.stack([key, node]), axis=1, return_counts=True)
+    return n, int(counts.min())
+
+
+# ---- attention pairs against a set of keys -----------------------------------------------------
+class QueryIntervals:
+    """The key intervals a rank's queries see, so attention work can be split by where keys live.
+
+    Every query of the BD3-LM mask sees at most two key intervals (mask.py): its own noisy block
+    and the clean blocks before it (noisy query), or the clean blocks up to its own (clean query),
+    each cut by the window. Without a window all queries of one block see the same intervals, so
+    they are kept once with a weight; counting keys inside them is then cheap per key set.
+    """
+
+    def __init__(self, layout: Layout, rank: int, window: int | None = None) -> None:
+        q = mask.span_positions(layout.shares[rank].positions)
+        L, b = layout.seq_len, layout.block
+        if window is None:  # one representative query per (stream, block)
+            q, self.weight = np.unique(q // b, return_counts=True)
+            q = q * b
+        else:
+            self.weight = np.ones(q.size, dtype=np.int64)
+        noisy = q < L
+        i = q % L
+        start = (i // b) * b
+        w = window if window is not None else 2 * L + 1
+        lo = np.maximum(0, i - w + 1)
+        last = np.minimum(start + b - 1, i + w - 1)  # last visible key of the query's own block
+        self.intervals = (
+            (np.where(noisy, np.maximum(start, lo), L + lo), np.where(noisy, last + 1, L + last + 1)),
+            (np.where(noisy, L + lo, 0), np.where(noisy, L + start, 0)),
+        )
+
+    def pairs_with(self, keys: tuple[Span, ...]) -> int:
+        """Pairs whose key lies in `keys`."""
+        keys = normalize(keys)
+        if not keys or self.weight.size == 0:
+            return 0
+        if len(keys) <= 4:  # a shard or two: overlap each span, only with the intervals near it
+            total = 0
+            for s, e in keys:
+                for a, z in self.intervals:
+                    hit = (a < e) & (z > s)
+                    if hit.any():
+                        overlap = np.minimum(z[hit], e) - np.maximum(a[hit], s)
+                        total += int((overlap * self.weight[hit]).sum())
+            return total
+        starts = np.array([s for s, _ in keys])
+        lengths = np.array([e - s for s, e in keys])
+        before = np.concatenate([[0], np.cumsum(lengths)])
+
+        def below(x: np.ndarray) -> np.ndarray:  # how many keys are < x (0 left of the first span)
+            k = np.maximum(np.searchsorted(starts, x, side="right") - 1, 0)
+            return before[k] + np.minimum(np.maximum(x - starts[k], 0), lengths[k])
+
+        count = sum(np.maximum(0, below(z) - below(np.minimum(a, z))) for a, z in self.intervals)
+        return int((count * self.weight).sum())
+
+
+def pairs_with_keys(layout: Layout, rank: int, keys: tuple[Span, ...], window: int | None = None) -> int:
+    """Pairs of the rank's queries whose key lies in `keys`."""
+    return QueryIntervals(layout, rank, window).pairs_with(keys)
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence_pairs(seq_len: int, block: int, window: int | None) -> int:
+    return mask.pairs(((0, 2 * seq_len),), seq_len, block, window)
+
+
+def delta_rule_flops_per_token(head_dim_k: int, head_dim_v: int, chunk: int = DELTA_RULE_CHUNK) -> float:
+    """Forward FLOPs per token and value head of the chunked (gated) delta rule.
+
+    Per chunk of C tokens (Yang et al., arXiv 2406.06484 / 2412.06464): K K^T (2C^2 dk), the
+    triangular solve (~2C^3/3), W = T K and U = T V (2C^2 dk + 2C^2 dv), the state terms W S,
+    Q S and the update K^T V' (3 x 2C dk dv), and the intra-chunk Q K^T and its product with V'
+    (2C^2 dk + 2C^2 dv); divided by C.
+    """
+    c, dk, dv = chunk, head_dim_k, head_dim_v
+    return 6 * c * dk + 4 * c * dv + 2 * c * c / 3 + 6 * dk * dv
+
+
+# ---- the builder --------------------------------------------------------------------------------
+Deps = tuple[int, ...]
+
+
+class _Builder:
+    """Appends the ops of one step in program order; each helper returns the ops that end it."""
+
+    def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
+                 gpus_per_node: int) -> None:
+        self.m, self.w, self.p, self.lay = model, workload, plan, layout
+        self.gpn = gpus_per_node
+        self.n = layout.size
+        self.dt = workload.dtype_bytes
+        self.tp = plan.tp
+        L, mb = workload.seq_len, workload.micro_batch
+        self.positions = np.array([s.n_positions for s in layout.shares], dtype=float)
+        self.tokens = self.positions * mb
+        self.noisy = np.array([size(intersect(s.positions, ((0, L),))) for s in layout.shares],
+                              dtype=float) * mb
+        self.ops: list[Op] = []
+        self.notes: list[str] = []
+        self._cache: dict = {}
+        every = tuple(range(self.n))
+        self.cp_sync = layout.cp_groups()
+        self.g_tp = self._group(("tp",), tuple((r,) for r in every))
+        self.g_ep = self._group(("ep",), tuple((r,) for r in every))
+        self.g_cp = self._group(("ctx",), self.cp_sync, ctx_block=len(self.cp_sync[0]))
+        # A ring over a cp group that spans nodes has a pair that does: price its steps there.
+        self.g_ring = Group(2, 1 if self.g_cp.spans_nodes else 2, tuple((r,) for r in every))
+        self.g_dense = self._group(("dp", "ctx", "ep"), (every,))
+        self.g_expert = self._group(("dp", "ctx", "tp"), (every,))
+
+    def _group(self, axes, sync, ctx_block=None) -> Group:
+        n, per_node = group_on_nodes(self.p, self.gpn, axes, ctx_block)
+        return Group(n, per_node, sync)
+
+    # -- small constructors -------------------------------------------------------------------
+    def add(self, name: str, phase: Phase, layer: int | None, work: Work | None, *deps: Deps) -> Deps:
+        """Append an op after `deps`; with no work (None) the deps pass through unchanged."""
+        flat = tuple(sorted({d for ds in deps for d in ds}))
+        if work is None:
+            return flat
+        self.ops.append(Op(len(self.ops), name, phase, layer, work, flat))
+        return (len(self.ops) - 1,)
+
+    def cached(self, key, make):
+        """Identical layers share their work objects (and the engines price each once)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def per_rank(self, values) -> PerRank:
+        return tuple(float(v) for v in np.broadcast_to(np.asarray(values, dtype=float), (self.n,)))
+
+    def gemm(self, flops, kernels: int = 1) -> Compute:
+        return Compute("gemm", self.per_rank(flops), self.per_rank(0), kernels)
+
+    def memory_bound(self, nbytes, kind: ComputeKind = "elementwise") -> Compute:
+        return Compute(kind, self.per_rank(0), self.per_rank(nbytes))
+
+    def comm(self, collective: Collective, recv, group: Group, category: Category,
+             peer: tuple[int, ...] = ()) -> Comm | None:
+        recv = self.per_rank(recv)
+        if group.size <= 1 or not any(recv):
+            return None
+        return Comm(collective, recv, group, category, peer)
+
+    @staticmethod
+    def ring_share(group: Group) -> float:
+        """Fraction of a buffer each member receives in a ring all-gather / reduce-scatter."""
+        return (group.size - 1) / group.size
+
+    def tp_collective(self, collective: Collective, tokens=None) -> Comm | None:
+        """Sequence-parallel all-gather / reduce-scatter of hidden states (tokens x hidden)."""
+        tokens = self.tokens if tokens is None else tokens
+        return self.comm(collective, tokens * self.m.hidden * self.dt * self.ring_share(self.g_tp),
+                         self.g_tp, "tp")
+
+    # -- sizes of one layer kind ----------------------------------------------------------------
+    def mixer_gemms(self, a: AttentionSpec) -> tuple[np.ndarray, np.ndarray]:
+        """Forward FLOPs of the input projections and of the output projection, per rank."""
+        out_params = a.n_heads * a.head_dim * self.m.hidden
+        in_params = self.m.mixer_params(a) - out_params
+        return 2 * self.tokens * in_params / self.tp, 2 * self.tokens * out_params / self.tp
+
+    def norm_bytes(self, a: AttentionSpec) -> np.ndarray:
+        """Forward bytes of a layer's memory-bound ops, half before and half after attention.
+
+        Per token: 2 RMSNorms (read + write h), RoPE on q and k (read + write), 2 residual adds
+        (read 2h, write h), the SwiGLU product (read 2 ffn, write ffn); sharded over TP/SP.
+        """
+        m, h = self.m, self.m.hidden
+        ffn = m.moe.dense_ffn + m.moe.top_k * m.moe.expert_ffn if m.moe else m.ffn
+        per_token = 4 * h + 2 * (a.n_heads * a.head_dim + a.kv_width) + 6 * h + 3 * ffn
+        return self.tokens * per_token * self.dt / self.tp / 2
+
+    def attention_split(self, a: AttentionSpec, pattern: str) -> list[tuple[str, np.ndarray]]:
+        """Attention pairs per rank by where the keys come from: local, then the remote sources.
+
+        A collective transport splits the rank's own positions from the rest; a ring splits the
+        rest by step (the shard of the rank s places back in the ring).
+        """
+        window = a.window if a.kind == "sliding" else None
+        lay = self.lay
+        total = np.array([lay.pairs(r, window) for r in range(self.n)], dtype=float)
+        if pattern == "none":
+            return [("attn", total)]
+        queries = [QueryIntervals(lay, r, window) for r in range(self.n)]
+        local = np.array([queries[r].pairs_with(lay.shares[r].positions) for r in range(self.n)], dtype=float)
+        if pattern != "ring":
+            return [("attn.local", local), ("attn.remote", total - local)]
+        parts = [("attn.local", local)]
+        for s in range(1, len(self.cp_sync[0])):
+            step = np.zeros(self.n)
+            for g in self.cp_sync:
+                for i, r in enumerate(g):
+                    step[r] = queries[r].pairs_with(lay.shares[g[(i - s) % len(g)]].owned_kv)
+            parts.append((f"attn.ring{s}", step))
+        return parts
+
+    def attention_work(self, a: AttentionSpec, pairs: np.ndarray, backward: bool) -> Compute:
+        """pairs x 4 x head_dim x heads/tp forward (QK^T and PV), 2.5x that backward."""
+        flops = pairs * self.w.micro_batch * 4 * a.head_dim * a.n_heads / self.tp
+        if backward:
+            flops = flops * ATTENTION_BACKWARD_FLOP_RATIO
+        tile = pairs / np.maximum(self.positions, 1)
+        masked = a.kind == "sliding" or self.w.block_size % ATTENTION_KERNEL_TILE != 0
+        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(flops),
+                       self.per_rank(0), 1, self.per_rank(tile), masked)
+
+    def kv_comm(self, a: AttentionSpec, exchange: Exchange, step: int, payload=None) -> Comm | None:
+        """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank."""
+        transfers = exchange.steps[step].transfers
+        rows = np.array([sum(t.n_rows for t in transfers
+                             if t.dst == r and (payload is None or t.payload == payload))
+                         for r in range(self.n)], dtype=float)
+        nbytes = rows * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
+        if exchange.pattern == "ring":
+            senders = {t.dst: t.src for t in transfers}
+            peer = tuple(senders.get(r, r) for r in range(self.n))
+            return self.comm("p2p", nbytes, self.g_ring, "attention-kv", peer)
+        backward = any(t.payload == "dkv" for t in transfers)
+        collective = "all-to-all" if exchange.pattern == "all-to-all" else (
+            "reduce-scatter" if backward else "all-gather")
+        return self.comm(collective, nbytes, self.g_cp, "attention-kv")
+
+    def ulysses(self, a: AttentionSpec) -> tuple[Comm | None, Comm | None]:
+        """Linear attention under CP/CSBP: sequence->head all-to-all of q, k, v, and back for the output."""
+        if self.lay.kind not in ("cp", "csbp"):
+            return None, None
+        n = len(self.cp_sync[0])
+        width_in = 2 * a.n_kv_heads * a.head_dim + a.n_heads * a.head_dim
+        width_out = a.n_heads * a.head_dim
+        recv = lambda width: self.tokens * width * self.dt / self.tp * (n - 1) / n  # noqa: E731
+        return (self.comm("all-to-all", recv(width_in), self.g_cp, "other"),
+                self.comm("all-to-all", recv(width_out), self.g_cp, "other"))
+
+    def delta_rule(self, a: AttentionSpec, backward: bool) -> Compute:
+        """Chunked Gated-DeltaNet: FLOPs linear in tokens, run as a fused kernel on chunk tiles."""
+        flops = self.tokens * a.n_heads / self.tp * delta_rule_flops_per_token(a.head_dim, a.head_dim)
+        if backward:
+            flops = flops * ATTENTION_BACKWARD_FLOP_RATIO
+        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(flops),
+                       self.per_rank(0), 1, self.per_rank(DELTA_RULE_CHUNK), False)
+
+    # -- one layer ----------------------------------------------------------------------------
+    def layer_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
+        c = self.cached
+        norm_work = c(("norm", a), lambda: self.memory_bound(self.norm_bytes(a)))
+        f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
+        x = self.add("attn-in.ag", phase, li, self.tp_collective("all-gather"), x)
+        x = self.add("norm-rope", phase, li, norm_work, x)
+        x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.gemm(f_in)), x)
+        if a.kind == "linear":
+            a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+            x = self.add("lin.a2a-in", phase, li, a2a_in, x)
+            x = self.add("delta-rule", phase, li, c(("dr", a, False), lambda: self.delta_rule(a, False)), x)
+            x = self.add("lin.a2a-out", phase, li, a2a_out, x)
+        else:
+            x = self.attention_forward(li, a, phase, x)
+        x = self.add("out-proj", phase, li, c(("out", a), lambda: self.gemm(f_out)), x)
+        x = self.add("attn-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
+        x = self.add("mlp-in.ag", phase, li, self.tp_collective("all-gather"), x)
+        x = self.add("norm-swiglu", phase, li, norm_work, x)
+        x = self.ffn(li, phase, x, backward=False)
+        return self.add("mlp-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
+
+    def attention_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
+        """Local attention runs while the remote K/V arrive; the rest waits for them."""
+        ex = self.lay.exchange(a, phase)
+        parts = self.cached(("split", a, ex.pattern), lambda: self.attention_split(a, ex.pattern))
+        work = lambda i: self.cached(("attn", a, i, False), lambda: self.attention_work(a, parts[i][1], False))  # noqa: E731
+        if ex.pattern == "none":
+            return self.add(parts[0][0], phase, li, work(0), x)
+        if ex.pattern != "ring":
+            gather = self.add("kv.gather", phase, li, self.cached(("kv", a, phase), lambda: self.kv_comm(a, ex, 0)), x)
+            local = self.add(parts[0][0], phase, li, work(0), x)
+            return self.add(parts[1][0], phase, li, work(1), local, gather)
+        # ring with two K/V buffers: step s lands once step s-2 has been consumed
+        done = [self.add(parts[0][0], phase, li, work(0), x)]
+        kv = x
+        for s in range(1, len(parts)):
+            kv = self.add(f"kv.ring{s}", phase, li, self.cached(("kv", a, phase, s), lambda: self.kv_comm(a, ex, s - 1)),
+                          kv, done[s - 2] if s >= 2 else ())
+            done.append(self.add(parts[s][0], phase, li, work(s), done[-1], kv))
+        return done[-1]
+
+    def attention_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
+        """Remote pairs first, so their dK/dV travel home while the local backward runs."""
+        ex = self.lay.exchange(a, "backward")
+        parts = self.cached(("split", a, ex.pattern), lambda: self.attention_split(a, ex.pattern))
+        work = lambda i: self.cached(("attn", a, i, True), lambda: self.attention_work(a, parts[i][1], True))  # noqa: E731
+        if ex.pattern == "none":
+            return self.add(parts[0][0], "backward", li, work(0), x)
+        if ex.pattern != "ring":
+            remote = self.add(parts[1][0], "backward", li, work(1), x)
+            scatter = self.add("dkv.scatter", "backward", li, self.cached(("dkv", a), lambda: self.kv_comm(a, ex, 0)), remote)
+            return self.add(parts[0][0], "backward", li, work(0), remote) + scatter
+        # ring with two K/V buffers: K/V of step s land once step s-2 is consumed; the partial
+        # dK/dV of a shard move on after the rank has added its share (step s-1), and the last
+        # hop takes them home. K/V go first so they never queue behind a dK/dV hop.
+        n = len(parts)
+        kv_work = lambda s: self.cached(("kvb", a, s), lambda: self.kv_comm(a, ex, s - 1, "kv"))  # noqa: E731
+        done = [self.add(parts[0][0], "backward", li, work(0), x)]
+        kv = [(), self.add("kv.ring1", "backward", li, kv_work(1), x)]
+        dkv: Deps = ()
+        for s in range(1, n):
+            if s + 1 < n:
+                kv.append(self.add(f"kv.ring{s + 1}", "backward", li, kv_work(s + 1), kv[s], done[s - 1]))
+            dkv = self.add(f"dkv.ring{s}", "backward", li, self.cached(("dkvb", a, s), lambda: self.kv_comm(a, ex, s - 1, "dkv")), done[s - 1], dkv)
+            done.append(self.add(parts[s][0], "backward", li, work(s), done[s - 1], kv[s]))
+        home = self.add("dkv.ring-home", "backward", li, self.cached(("dkvb", a, "home"), lambda: self.kv_comm(a, ex, len(ex.steps) - 1, "dkv")), done[-1], dkv)
+        return done[-1] + home
+
+    def ffn(self, li: int, phase: Phase, x: Deps, backward: bool) -> Deps:
+        """Dense SwiGLU, or router + routed experts (EP all-to-all around them) + dense branch."""
+        m, h = self.m, self.m.hidden
+        ratio = GEMM_BACKWARD_FLOP_RATIO if backward else 1.0
+        kernels = 4 if backward else 2  # gate+up and down GEMMs (dgrad and wgrad of each)
+        if m.moe is None:
+            return self.add("mlp", phase, li, self.cached(("mlp", backward), lambda: self.gemm(
+                ratio * 2 * self.tokens * 3 * h * m.ffn / self.tp, kernels)), x)
+        moe, ep = m.moe, self.p.ep
+        tokens = self.tokens / self.tp  # each sequence-parallel shard routes its own tokens
+        a2a = self.cached("ep-a2a", lambda: self.comm(
+            "all-to-all", tokens * h * moe.top_k * self.dt * (ep - 1) / ep, self.g_ep, "ep"))
+        router = self.add("router", phase, li, self.cached(("router", backward), lambda: self.gemm(
+            ratio * 2 * tokens * h * moe.n_experts)), x)
+        sent = self.add("ep.combine-grad" if backward else "ep.dispatch", phase, li, a2a, router)
+        experts = self.add("experts", phase, li, self.cached(("experts", backward), lambda: self.gemm(
+            ratio * 2 * tokens * moe.top_k * 3 * h * moe.expert_ffn,
+            kernels * 3 // 2 * (moe.n_experts // ep))), router, sent)
+        back = self.add("ep.dispatch-grad" if backward else "ep.combine", phase, li, a2a, experts)
+        if not moe.dense_ffn:
+            return back
+        dense = self.add("dense-mlp", phase, li, self.cached(("dense", backward), lambda: self.gemm(
+            ratio * 2 * self.tokens * 3 * h * moe.dense_ffn / self.tp, kernels)), experts)
+        return dense + back
+
+    def layer_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
+        c, g = self.cached, GEMM_BACKWARD_FLOP_RATIO
+        norm_work = c(("normb", a), lambda: self.memory_bound(2 * self.norm_bytes(a)))
+        f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
+        x = self.add("mlp-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
+        x = self.ffn(li, "backward", x, backward=True)
+        x = self.add("norm-swiglu-bwd", "backward", li, norm_work, x)
+        x = self.add("mlp-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x)
+        x = self.add("attn-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
+        x = self.add("out-proj-bwd", "backward", li, c(("outb", a), lambda: self.gemm(g * f_out, 2)), x)
+        if a.kind == "linear":
+            a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+            x = self.add("lin.a2a-out-bwd", "backward", li, a2a_out, x)
+            x = self.add("delta-rule-bwd", "backward", li, c(("dr", a, True), lambda: self.delta_rule(a, True)), x)
+            x = self.add("lin.a2a-in-bwd", "backward", li, a2a_in, x)
+        else:
+            x = self.attention_backward(li, a, x)
+        x = self.add("qkv-bwd", "backward", li, c(("qkvb", a), lambda: self.gemm(g * f_in, 2)), x)
+        x = self.add("norm-rope-bwd", "backward", li, norm_work, x)
+        return self.add("attn-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x)
+
+    # -- parameters and gradients -------------------------------------------------------------
+    def layer_params(self, a: AttentionSpec) -> tuple[float, float]:
+        """(dense, expert) parameters one rank holds of a layer: dense /tp, experts /ep."""
+        m = self.m
+        dense = (m.mixer_params(a) + m.dense_ffn_params()) / self.tp + 2 * m.hidden
+        return dense, m.expert_params_per_layer() / self.p.ep
+
+    def edge_params(self) -> tuple[float, float]:
+        """(LM head, embedding + final norm + conditioning) parameters one rank holds."""
+        m, tp = self.m, self.tp
+        head = m.vocab * m.hidden / tp
+        rest = m.embedding_params() / tp - head + (m.conditioning_layers * m.hidden ** 2) / tp + m.hidden
+        return head, rest
+
+    def grad_sync(self, layer: int | None, dense: float, expert: float, x: Deps) -> Deps:
+        """Reduce one bucket of gradients over its data-parallel group (ZeRO >= 1: reduce-scatter)."""
+        collective: Collective = "reduce-scatter" if self.w.zero_stage >= 1 else "all-reduce"
+        out: Deps = ()
+        for what, params, group in (("dense", dense, self.g_dense), ("experts", expert, self.g_expert)):
+            share = self.ring_share(group) * (2 if collective == "all-reduce" else 1)
+            work = self.cached(("grads", what, params), lambda: self.comm(
+                collective, params * self.dt * share, group, "gradients"))
+            out += self.add(f"grads.{what}.{collective}", "grad-sync", layer, work, x) if work else ()
+        return out
+
+    def param_gather(self, name: str, phase: Phase, layer: int | None, dense: float,
+                     expert: float, x: Deps) -> Deps:
+        """ZeRO: all-gather parameter shards (a layer's for ZeRO-3, all updated ones for 1/2)."""
+        out: Deps = ()
+        for what, params, group in (("dense", dense, self.g_dense), ("experts", expert, self.g_expert)):
+            work = self.cached(("params", what, params), lambda: self.comm(
+                "all-gather", params * self.dt * self.ring_share(group), group, "params"))
+            out += self.add(f"{name}.{what}", phase, layer, work, x) if work else ()
+        return out
+
+    def optimizer(self) -> Compute:
+        dense = sum(self.layer_params(a)[0] for a in self.m.layers) + sum(self.edge_params())
+        expert = sum(self.layer_params(a)[1] for a in self.m.layers)
+        if self.w.zero_stage >= 1:
+            dense, expert = dense / self.g_dense.size, expert / self.g_expert.size
+        return self.memory_bound((dense + expert) * ADAMW_BYTES_PER_PARAM, "optimizer")
+
+    # -- the step ------------------------------------------------------------------------------
+    def views(self) -> int:
+        obj = self.w.objective
+        if obj == "fast-dllm-v2":
+            self.notes.append("fast-dllm-v2: two complementary masked views per example, each a "
+                              "full 2L forward+backward (the clean pass is not shared between "
+                              "views); gradients reduced once, during the second view's backward")
+            return 2
+        if obj != "bd3lm":
+            self.notes.append(f"objective {obj}: step shaped as BD3-LM for now (its extra passes "
+                              "and conditioning are not modelled yet)")
+        return 1
+
+    def build(self) -> StepGraph:
+        m, w, layers = self.m, self.w, self.m.layers
+        h, V = m.hidden, m.vocab
+        zero3, recompute = w.zero_stage == 3, w.checkpointing == "full"
+        head_params, edge_params = self.edge_params()
+        if any(a.kind == "linear" for a in layers) and self.lay.kind in ("cp", "csbp"):
+            self.notes.append("linear-attention layers under CP/CSBP: sequence<->head all-to-all "
+                              "of q, k, v and of the output over each cp group (Ulysses-style), "
+                              "then the chunked delta rule over whole sequences per head")
+        if m.is_moe:
+            self.notes.append("MoE: balanced routing; experts sharded over ep and not "
+                              "tensor-parallel; each sequence-parallel shard routes its own tokens")
+        embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
+        views, grads, x = self.views(), (), ()
+        for v in range(views):
+            last_view = v == views - 1
+            x = self.add("embed", "forward", None, embed, x)
+            prefetch: Deps = ()
+            for li, a in enumerate(layers):
+                if zero3:  # gather layer li's parameters while layer li-1 computes
+                    prefetch = self.param_gather("zero3.params", "forward", li, *self.layer_params(a), prefetch)
+                x = self.layer_forward(li, a, "forward", x + prefetch)
+            # loss: vocabulary-parallel LM head over the noisy tokens the rank owns, in chunks
+            x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", self.noisy), x)
+            x = self.add("lm-head", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
+            x = self.add("cross-entropy", "forward", None, self.memory_bound(self.noisy * V / self.tp * 4 * 3), x)
+            x = self.add("lm-head-bwd", "backward", None, self.gemm(
+                GEMM_BACKWARD_FLOP_RATIO * 2 * self.noisy * h * V / self.tp, 2), x)
+            x = self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", self.noisy), x)
+            if last_view and not m.tie_embeddings:
+                grads += self.grad_sync(None, head_params, 0.0, x)
+            prefetch = ()
+            for li in range(len(layers) - 1, -1, -1):
+                a = layers[li]
+                if zero3:
+                    prefetch = self.param_gather("zero3.params", "backward", li, *self.layer_params(a), prefetch)
+                if recompute:  # rerun the layer from its checkpointed input, then backward
+                    x = self.layer_forward(li, a, "recompute", x + prefetch)
+                x = self.layer_backward(li, a, x + prefetch)
+                if last_view:
+                    grads += self.grad_sync(li, *self.layer_params(a), x)
+            x = self.add("embed-bwd", "backward", None, embed, x)
+            if last_view:
+                tied = head_params if m.tie_embeddings else 0.0
+                grads += self.grad_sync(None, edge_params + tied, 0.0, x)
+        step = self.add("adamw", "optimizer", None, self.optimizer(), x, grads)
+        if w.zero_stage in (1, 2):
+            dense = sum(self.layer_params(a)[0] for a in layers) + head_params + edge_params
+            expert = sum(self.layer_params(a)[1] for a in layers)
+            self.param_gather("updated-params", "param-sync", None, dense, expert, step)
+        return StepGraph(self.n, tuple(self.ops), self.model_flops() * views, views, tuple(self.notes))
+
+    def model_flops(self) -> float:
+        """One context group's step math, counted once: 3x forward GEMMs, 3.5x attention.
+
+        The graph's formulas on the unsplit 2L sequence, so replicated work (pure BP's clean
+        prefix, CSBP's clean replicas) and recompute do not count as useful work.
+        """
+        m, L, b = self.m, self.w.seq_len, self.w.block_size
+        tokens, total = 2 * L, 0.0
+        for a in m.layers:
+            gemm = m.mixer_params(a) + m.dense_ffn_params()
+            if m.moe:
+                gemm += m.moe.top_k * 3 * m.hidden * m.moe.expert_ffn + m.hidden * m.moe.n_experts
+            total += 3 * 2 * tokens * gemm
+            if a.kind == "linear":
+                total += 3.5 * tokens * a.n_heads * delta_rule_flops_per_token(a.head_dim, a.head_dim)
+            else:
+                pairs = _sequence_pairs(L, b, a.window if a.kind == "sliding" else None)
+                total += 3.5 * pairs * 4 * a.head_dim * a.n_heads
+        total += 3 * 2 * L * m.hidden * m.vocab
+        return total * self.w.micro_batch

@@ -1,0 +1,156 @@
+"""Peak memory per rank: weights, gradients, optimizer state, activations, K/V buffers, logits.
+
+Counted at the start of the backward pass, where everything is alive at once: all weight-side
+state, every saved activation, the gathered K/V and dK/dV of one layer, one loss chunk. Sizes
+follow the layout (the tokens each rank holds, the K/V rows it receives), so CP, BP and CSBP
+differ exactly where their layouts do; pure BP holds its replicated clean prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from simulator.hardware import HardwareProfile
+from simulator.layout import Layout, kv_row_bytes
+from simulator.plan import Plan
+from simulator.result import GIB
+from simulator.spans import intersect, size
+from simulator.spec import AttentionSpec, ModelSpec
+from simulator.workload import Workload
+
+# fp32 master weights + Adam m and v (mixed-precision AdamW): 4 + 4 + 4 bytes per parameter.
+OPTIMIZER_BYTES_PER_PARAM = 12
+
+
+def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk of the fused linear-cross-entropy loss.
+
+    Liger-Kernel's rule (ops/fused_linear_cross_entropy.py): chunk_size =
+    next_power_of_2(ceil(BT / ceil(V / H))), so a chunk's logits are about as large as the
+    hidden states of all tokens. The kernel writes the logits' gradient over the logits in place
+    (one buffer in the activation dtype).
+    """
+    if tokens <= 0:
+        return 0
+    chunk = math.ceil(tokens / math.ceil(vocab / hidden))
+    return min(tokens, 1 << (chunk - 1).bit_length())
+
+LABELS = {"activations": "activations", "params": "params", "grads": "grads",
+          "optimizer": "optimizer", "kv_buffers": "K/V buffers", "logits": "logits"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    per_rank: tuple[dict[str, float], ...]  # GiB by component, reserved included
+    capacity_gib: float
+    reserved_gib: float
+
+    @property
+    def totals_gib(self) -> list[float]:
+        return [sum(parts.values()) for parts in self.per_rank]
+
+    @property
+    def peak_rank(self) -> int:
+        return int(np.argmax(self.totals_gib))
+
+    @property
+    def peak_gib(self) -> float:
+        return max(self.totals_gib)
+
+    @property
+    def feasible(self) -> bool:
+        return self.peak_gib <= self.capacity_gib
+
+    @property
+    def reason(self) -> str | None:
+        if self.feasible:
+            return None
+        r = self.peak_rank
+        parts = {k: v for k, v in self.per_rank[r].items() if k != "reserved"}
+        need = sum(parts.values())
+        shown = ", ".join(f"{LABELS[k]} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+        usable = self.capacity_gib - self.reserved_gib
+        return (f"infeasible: needs {need:.1f} GiB per GPU on rank {r} ({shown}) > {usable:.1f} GiB "
+                f"usable ({self.capacity_gib:.1f} GiB HBM - {self.reserved_gib:.1f} reserved)")
+
+
+def saved_bytes_per_token(model: ModelSpec, a: AttentionSpec, dtype_bytes: int, tp: int) -> float:
+    """Activations one layer keeps per token for its backward (no recompute), under TP/SP.
+
+    Megatron-style accounting (Korthikanti et al., arXiv 2205.05198) with FlashAttention (no
+    score matrix): the two norm inputs and the two GEMM inputs (4h), q, k, v and the attention
+    output (softmax) or q, k, v, gate and output (linear attention), the FFN's gate, up and
+    activation (or per routed copy: its input and those three), all sharded over TP/SP; plus the
+    fp32 log-sum-exp per head.
+    """
+    h = model.hidden
+    if a.kind == "linear":
+        mixer = 2 * a.n_kv_heads * a.head_dim + 3 * a.n_heads * a.head_dim
+    else:
+        q = a.n_heads * a.head_dim
+        mixer = 2 * q + a.kv_width * a.kv_tensors
+    if model.moe:
+        moe = model.moe
+        ffn = moe.top_k * (h + 3 * moe.expert_ffn) + 3 * moe.dense_ffn
+    else:
+        ffn = 3 * model.ffn
+    lse = 4 * a.n_heads if a.kind != "linear" else 0
+    return ((4 * h + mixer + ffn) * dtype_bytes + lse) / tp
+
+
+def kv_buffer_rows(layout: Layout, a: AttentionSpec, rank: int) -> int:
+    """Rows of remote K/V a rank holds at once for one layer (a ring keeps two steps in flight)."""
+    ex = layout.exchange(a, "forward")
+    if ex.pattern == "ring":
+        return 2 * max((sum(t.n_rows for t in s.transfers if t.dst == rank) for s in ex.steps), default=0)
+    return ex.rows_received(rank)
+
+
+def weight_state(model: ModelSpec, workload: Workload, plan: Plan) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state per rank, sharded by ZeRO stage."""
+    dense = (model.dense_params()) / plan.tp
+    expert = model.n_layers * model.expert_params_per_layer() / plan.ep
+    n_dense = plan.dp * plan.ctx * plan.ep  # ranks holding the same dense shard
+    n_expert = plan.dp * plan.ctx * plan.tp
+    z, dt = workload.zero_stage, workload.dtype_bytes
+    sharded = dense / n_dense + expert / n_expert
+    full = dense + expert
+    largest_layer = max(model.mixer_params(a) + model.dense_ffn_params() for a in model.layers) / plan.tp \
+        + model.expert_params_per_layer() / plan.ep
+    params = full * dt if z < 3 else (sharded + 2 * largest_layer) * dt  # ZeRO-3: gathered + prefetched layer
+    grads = full * dt if z < 2 else (sharded + 2 * largest_layer) * dt  # ZeRO-2/3: reduce buckets
+    optimizer = (full if z < 1 else sharded) * OPTIMIZER_BYTES_PER_PARAM
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
+                    profile: HardwareProfile) -> MemoryEstimate:
+    dt, tp, mb, L = workload.dtype_bytes, plan.tp, workload.micro_batch, workload.seq_len
+    weights = weight_state(model, workload, plan)
+    full_ckpt = workload.checkpointing == "full"
+    per_rank = []
+    for r, share in enumerate(layout.shares):
+        tokens = share.n_positions * mb
+        noisy = size(intersect(share.positions, ((0, L),))) * mb
+        saved = [tokens * saved_bytes_per_token(model, a, dt, tp) for a in model.layers]
+        kv = [kv_buffer_rows(layout, a, r) * mb * kv_row_bytes(a, dt, tp) for a in model.layers]
+        hidden = tokens * model.hidden * dt / tp  # one hidden-state tensor, SP-sharded
+        if full_ckpt:
+            # every layer's input, plus one layer recomputed with its gathered K/V, the matching
+            # dK/dV buffer and the gradients flowing in and out of it
+            activations = model.n_layers * hidden + max(saved) + 2 * hidden
+            kv_buffers = max(2 * k for k in kv)
+        else:
+            # every layer keeps its tensors and its gathered K/V; one dK/dV buffer at a time
+            activations = sum(saved) + 2 * hidden
+            kv_buffers = sum(kv) + max(kv)
+        vocab = model.vocab / tp  # vocabulary-parallel head
+        logits = loss_chunk_tokens(noisy, math.ceil(vocab), model.hidden) * vocab * dt
+        parts = {**weights, "activations": activations, "kv_buffers": kv_buffers, "logits": logits}
+        gib = {k: v / GIB for k, v in parts.items()}
+        gib["reserved"] = profile.gpu.reserved_gib
+        per_rank.append(gib)
+    return MemoryEstimate(tuple(per_rank), profile.gpu.memory_gib, profile.gpu.reserved_gib)

@@ -1,0 +1,80 @@
+"""simulate(): one (model, workload, plan, cluster) -> Result, the whole flow in one call.
+
+workload -> layout -> step graph -> memory check -> engine -> Result. Bad input raises
+InputError; a plan that does not fit is a normal Result(feasible=False) that still reports the
+memory it needs and the step time the closed form estimates.
+"""
+
+from __future__ import annotations
+
+from simulator.engine import ENGINES, simulate_graph, summarize
+from simulator.errors import InputError
+from simulator.graph import StepGraph
+from simulator.hardware import HardwareProfile
+from simulator.layout import Layout, attention_bytes_received
+from simulator.memory import estimate_memory
+from simulator.plan import Plan
+from simulator.result import GIB, Result
+from simulator.spec import ModelSpec
+from simulator.workload import Workload
+
+ASSUMPTIONS = (
+    "representative ranks: one context group is simulated; its DP/EP/TP peers are copies, and a "
+    "group that spans nodes in any instance is priced on the slower link",
+    "attention efficiency read at the mean keys per query of each attention call",
+    "loss as a fused linear-cross-entropy over the noisy tokens, chunked as Liger-Kernel does",
+)
+
+
+def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
+             nodes: int, engine: str = "des", overlap: bool = True) -> Result:
+    if engine not in ENGINES:
+        raise InputError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if nodes < 1:
+        raise InputError(f"nodes must be >= 1, got {nodes}")
+    gpus = nodes * profile.node.gpus_per_node
+    plan.check_against(model, workload, world=gpus)
+    layout = Layout.build(workload, plan)
+    graph = StepGraph.build(model, workload, plan, layout, profile.node.gpus_per_node)
+    memory = estimate_memory(model, workload, plan, layout, profile)
+    notes = list(ASSUMPTIONS) + list(graph.notes)
+    used = engine if memory.feasible else "closed-form"
+    if not memory.feasible:
+        notes.append("the plan does not fit: step time from the closed form, no tokens/s")
+    if not overlap:
+        notes.append("overlap off: every transfer waits for compute and blocks it")
+    timeline, durations = simulate_graph(graph, profile, used, overlap)
+    summary = summarize(graph, timeline, durations)
+    step = summary.step_time_s
+    kv = attention_bytes_received(layout, model.layers, workload.dtype_bytes, plan.tp)
+    passes = workload.micro_batch * graph.views
+    received = graph.received_bytes()
+    executed = graph.flops()
+    useful = graph.model_flops * plan.sequences
+    peak = profile.gpu.peak_tflops * 1e12
+    return Result(
+        feasible=memory.feasible,
+        reason=memory.reason,
+        model=model.name,
+        hardware=profile.name,
+        nodes=nodes,
+        gpus=gpus,
+        plan={**plan.axes(), "transport": plan.transport, "schedule": plan.schedule,
+              "placement": plan.placement, "kind": plan.kind},
+        workload=workload.model_dump(),
+        engine=used,
+        step_time_s=step,
+        tokens_per_s=workload.seq_len * workload.micro_batch * plan.sequences / step
+        if memory.feasible and step > 0 else None,
+        peak_memory_gib=memory.peak_gib,
+        memory_gib=memory.per_rank[memory.peak_rank],
+        memory_per_rank_gib=memory.totals_gib,
+        attention_traffic_gib_per_gpu=max(kv) * passes / GIB,
+        comm_gib_per_gpu={k: float(v.max()) / GIB for k, v in received.items()},
+        exposed_comm_s=summary.exposed_comm_s,
+        phases_s=summary.phases_s,
+        flops_per_gpu=float(executed.max()),
+        mfu=useful / (gpus * peak * step) if step > 0 else None,
+        notes=notes,
+        trace=summary.trace,
+    )
