@@ -84,7 +84,9 @@ def per_rank_bytes(op: str, n_bytes: int, world: int) -> float:
 
 
 def collective_seconds(profile: HardwareProfile, op: str, n_bytes: int, world: int) -> float:
-    """Predicted time of one gloo/NCCL call inside one host: alpha-beta with core sharing."""
+    """Predicted time of one gloo/NCCL call inside one host: alpha-beta, plus the wake-up delay
+    once ranks outnumber cores. Bandwidth is not divided among sharing ranks: at world size 4 on
+    2 cores the measured bandwidth stays near the world-2 figure (gloo's copies leave cores idle)."""
     link, node = profile.links.nvlink, profile.node
     if op == "send_recv":
         latency = link.p2p_latency_us
@@ -92,7 +94,7 @@ def collective_seconds(profile: HardwareProfile, op: str, n_bytes: int, world: i
         latency = link.call_latency_us + ring_steps(op, world) * link.step_latency_us \
             + node.call_wakeup_us(world)
     bandwidth = link.bus_gbs(op) * 1e9 * link.bandwidth_fraction(per_rank_bytes(op, n_bytes, world))
-    return latency * 1e-6 + wire_bytes(op, n_bytes, world) / (bandwidth * node.core_share(world))
+    return latency * 1e-6 + wire_bytes(op, n_bytes, world) / bandwidth
 
 
 # ---- fitting ------------------------------------------------------------------------------------
@@ -123,12 +125,16 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
     sizes = sorted({s for _, s in two})
     small, large = sizes[0], sizes[-1]
     where = "gloo over TCP loopback, world size 2, one thread per rank"
-    # alpha-beta per op through the smallest and largest size: time = latency + wire / bandwidth
+    # alpha-beta per op: latency from the smallest size, asymptote = the best bandwidth any
+    # size reaches once latency is off (the size curve then says how far each size falls short)
     gbs, lat = {}, {}
     for op in (*GROUP_OPS, "send_recv"):
-        w_s, w_l = wire_bytes(op, small, 2), wire_bytes(op, large, 2)
-        bandwidth = (w_l - w_s) / max(1e-9, two[(op, large)] - two[(op, small)])
-        gbs[op], lat[op] = bandwidth / 1e9, max(1e-7, two[(op, small)] - w_s / bandwidth)
+        latency = two[(op, small)]
+        for _ in range(3):  # the smallest call's own wire time, refined with the bandwidth
+            bandwidth = max(wire_bytes(op, s, 2) / (two[(op, s)] - latency) for s in sizes
+                            if s != small and two[(op, s)] > latency)
+            latency = max(1e-7, two[(op, small)] - wire_bytes(op, small, 2) / bandwidth)
+        gbs[op], lat[op] = bandwidth / 1e9, latency
     # ring latency = call + steps x step: all-gather (1 step at n = 2) and all-reduce (2 steps)
     step = max(1e-7, (lat["all_reduce"] - lat["all_gather"])
                / (ring_steps("all_reduce", 2) - ring_steps("all_gather", 2)))
@@ -155,15 +161,15 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
         "alltoall_gbs": _figure(_round(gbs["all_to_all"]), f"measured ({where}): all_to_all_single of "
                                 f"{large // MIB} MiB in {t('all_to_all', large)}, wire bytes (n-1)/n x buffer"),
         "call_latency_us": _figure(_round(call * 1e6), f"measured ({where}): all_gather latency "
-                                   f"(alpha of {small // KIB} KiB {t('all_gather', small)} and "
-                                   f"{large // MIB} MiB) minus one step"),
+                                   f"({t('all_gather', small)} at {small // KIB} KiB less its wire time) "
+                                   "minus one step"),
         "step_latency_us": _figure(_round(step * 1e6), f"measured ({where}): all_reduce latency "
                                    f"(2 steps; {t('all_reduce', small)} at {small // KIB} KiB) minus "
                                    "all_gather latency (1 step)"),
         "p2p_latency_us": _figure(_round(p2p_latency * 1e6), f"measured ({where}): send/recv "
                                   f"latency (alpha; {t('send_recv', small)} at {small // KIB} KiB)"),
-        "size_efficiency": _figure(curve, f"measured ({where}): alpha-beta through the smallest and "
-                                   "largest size per op, then per bytes-per-rank bin, median over "
+        "size_efficiency": _figure(curve, f"measured ({where}): latency from the smallest size and "
+                                   "the best bandwidth per op, then per bytes-per-rank bin, median over "
                                    "all_gather / reduce_scatter / all_reduce / all_to_all of (wire bytes / "
                                    "asymptotic bandwidth) / (time - latency), at "
                                    + ", ".join(f"{s // KIB} KiB" for s in sizes)),
@@ -225,9 +231,9 @@ def fit_profile(m: Measurements, name: str) -> dict:
             "name": f"{m.cpu} ({rank})",
             "memory_gib": _figure(_round(m.memory_bytes / GIB), "MemTotal in /proc/meminfo (shared by "
                                   "all ranks of the host)"),
-            "reserved_gib": _figure(_round(m.baseline_rss_bytes / GIB), "measured: resident set of a "
-                                    "worker process after importing torch, before any model "
-                                    "(ru_maxrss): the process high-water RSS includes it"),
+            "reserved_gib": _figure(_round(m.baseline_rss_bytes / GIB), "measured: peak resident set "
+                                    "(VmHWM) of a worker process after importing torch, before any "
+                                    "model: a rank's high-water RSS includes it"),
             "peak_tflops": _figure(_round(peak / 1e12), f"measured: fastest fp32 GEMM of the sweep, "
                                    f"{best[0]}x{best[1]}x{best[2]} in {best[3] * 1e3:.2f} ms, one process alone"),
             "hbm_gbs": _figure(_round(copy_gbs), f"measured: copy_ of {m.copy[0] // 2 // MIB} MiB fp32 "

@@ -201,9 +201,7 @@ def _worker(rank: int, job: _Job, queue) -> None:
 
 def _gemm_load(job: _Job) -> dict:
     """Run square GEMMs for `job.seconds`: the FLOP rate this process got, and its RSS before."""
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    rss = resident_high_water()
     a = torch.randn(job.gemm, job.gemm)
     b = torch.randn(job.gemm, job.gemm)
     a @ b
@@ -275,6 +273,15 @@ def gemm_rate_under_load(procs: int, threads: int = 1, size: int = 512, seconds:
     and `baseline_rss_bytes`, its resident set after importing torch."""
     job = _Job("gemm-load", procs, 0, threads, gemm=size, seconds=seconds)
     return _run_workers(job, timeout_s)
+
+
+def resident_high_water() -> int:
+    """This process's peak resident set in bytes (VmHWM). Not ru_maxrss: Linux carries that
+    over from the parent through fork + exec, so a spawned worker would report its parent's."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def host_name() -> str:

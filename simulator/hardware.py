@@ -110,7 +110,8 @@ class Node(BaseModel):
     wakeup_latency_us: OptionalPositive = None  # added per collective call when ranks > cores
 
     def core_share(self, ranks: int) -> float:
-        """Fraction of its full speed each of `ranks` busy ranks on this host gets (1 on GPUs)."""
+        """Fraction of its full compute speed each of `ranks` busy ranks on this host gets (1 on
+        GPUs). Measured gloo bandwidth does not shrink this way (see runtime/calibrate.py)."""
         return 1.0 if self.cores is None else min(1.0, self.cores / ranks)
 
     def call_wakeup_us(self, ranks: int) -> float:

@@ -28,8 +28,7 @@ def _synthetic_time(op: str, n_bytes: int, world: int) -> float:
         latency = P2P_US
     else:
         latency = CALL_US + cal.ring_steps(op, world) * STEP_US + (WAKE_US if world > CORES else 0)
-    share = min(1.0, CORES / world)
-    return latency * 1e-6 + cal.wire_bytes(op, n_bytes, world) / (GBS[op] * 1e9 * share)
+    return latency * 1e-6 + cal.wire_bytes(op, n_bytes, world) / (GBS[op] * 1e9)
 
 
 def _measurements() -> cal.Measurements:
