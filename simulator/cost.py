@@ -11,50 +11,62 @@ from __future__ import annotations
 import numpy as np
 
 from simulator.graph import Comm, Compute, Group, Work
-from simulator.hardware import HardwareProfile, Link
+from simulator.hardware import CollectiveOp, HardwareProfile, Link
 
 US = 1e-6
 GB = 1e9
 
 
 def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
-    """Per rank: FLOPs / (peak x efficiency), or bytes / (HBM x efficiency) for memory-bound ops."""
+    """Per rank: FLOPs / (peak x efficiency), or bytes / (HBM x efficiency) for memory-bound ops.
+
+    On a host whose ranks share fewer cores than there are ranks, each gets its share of the
+    speed; a profile with a per-op overhead (dispatch, launch) adds it per kernel call.
+    """
     gpu = profile.gpu
     flops, nbytes = np.asarray(work.flops), np.asarray(work.bytes)
     if work.kind in ("elementwise", "optimizer"):
-        return nbytes / (gpu.hbm_gbs * GB * gpu.hbm_efficiency)
-    peak = gpu.peak_tflops * 1e12
-    if work.kind == "gemm":
+        busy = nbytes / (gpu.hbm_gbs * GB * gpu.hbm_efficiency)
+    elif work.kind == "gemm":
         eff = np.array([profile.gemm_efficiency(f / work.kernels / 1e9) if f else 1.0 for f in flops])
+        busy = flops / (gpu.peak_tflops * 1e12 * eff)
     else:
         backward = work.kind == "attention-bwd"
+        if gpu.dense_attention and work.dense_flops:  # explicit math scores the whole rectangle
+            flops = np.asarray(work.dense_flops)
         eff = np.array([profile.attention_efficiency(t, backward, work.masked) if t else 1.0
                         for t in work.tile_len])
-    return flops / (peak * eff)
+        busy = flops / (gpu.peak_tflops * 1e12 * eff)
+    busy = busy / profile.node.core_share(profile.node.gpus_per_node)
+    overhead = (gpu.op_overhead_us or 0.0) * US * work.kernels
+    return np.where((flops > 0) | (nbytes > 0), busy + overhead, 0.0)
 
 
-def ring_seconds(recv_bytes: float, steps_per_member: int, group: Group, profile: HardwareProfile) -> float:
-    """Ring all-gather / reduce-scatter (1 pass) or all-reduce (2 passes) of one member.
+def ring_seconds(op: CollectiveOp, recv_bytes: float, group: Group, profile: HardwareProfile) -> float:
+    """Ring all-gather / reduce-scatter (one pass) or all-reduce (two passes), for one member.
 
     NCCL's ring model (src/graph/tuning.cc; hardware.md 3.4): time = base latency + intra-node
     steps x intra step latency + inter-node steps x network step latency + bytes / bus bandwidth,
     with n-1 steps per pass of which nodes-1 cross the network. A ring spanning nodes runs one
     channel per NIC of the node's members, so its bus bandwidth is the members-per-node NICs,
     capped by NVLink (hardware.md 3.3: 8 NICs x 46-48 GB/s ~ NVLink's ~370 GB/s).
-    `recv_bytes` is what the member receives: (n-1)/n of the buffer per pass.
+    `recv_bytes` is what the member receives: (n-1)/n of the buffer per pass; a profile may give
+    each collective its own bus bandwidth (`Link.bus_gbs`) and hosts a per-call wake-up delay.
     """
-    nvl, ib = profile.links.nvlink, profile.links.infiniband
-    n, passes = group.size, steps_per_member
+    nvl = profile.links.nvlink
+    n, passes = group.size, 2 if op == "all_reduce" else 1
     steps = passes * (n - 1)
     inter = passes * (group.nodes - 1)
     if group.spans_nodes:
+        ib = profile.link("infiniband")
         latency = ib.call_latency_us + (steps - inter) * nvl.step_latency_us + inter * ib.step_latency_us
-        bandwidth = min(nvl.collective_gbs, ib.collective_gbs * group.per_node)
+        bandwidth = min(nvl.bus_gbs(op), ib.bus_gbs(op) * group.per_node)
         link = ib
     else:
         latency = nvl.call_latency_us + steps * nvl.step_latency_us
-        bandwidth = nvl.collective_gbs
+        bandwidth = nvl.bus_gbs(op)
         link = nvl
+    latency += profile.node.call_wakeup_us(group.size)
     shard = recv_bytes / steps  # one member's slice of the buffer: what the size curves are read at
     return latency * US + recv_bytes / (bandwidth * GB * link.bandwidth_fraction(shard))
 
@@ -65,15 +77,18 @@ def alltoall_seconds(recv_bytes: float, group: Group, profile: HardwareProfile) 
     All-to-all cannot aggregate NICs, so off-node slices move at single-NIC speed per GPU
     (sjeaugey, nccl-tests #267; hardware.md 3.3). The slower level sets the time.
     """
-    nvl, ib = profile.links.nvlink, profile.links.infiniband
+    nvl = profile.links.nvlink
     n, k = group.size, group.per_node
     per_peer = recv_bytes / (n - 1)
     on_node = per_peer * (k - 1)
     off_node = per_peer * (n - k)
-    t_nvl = on_node / (nvl.alltoall_gbs * GB * nvl.bandwidth_fraction(per_peer)) if on_node else 0.0
-    t_ib = off_node / (ib.alltoall_gbs * GB * ib.bandwidth_fraction(per_peer)) if off_node else 0.0
-    latency = (ib if off_node else nvl).call_latency_us
-    return latency * US + max(t_nvl, t_ib)
+    seconds = on_node / (nvl.bus_gbs("all_to_all") * GB * nvl.bandwidth_fraction(per_peer)) if on_node else 0.0
+    latency = nvl.call_latency_us
+    if off_node:
+        ib = profile.link("infiniband")
+        latency = ib.call_latency_us
+        seconds = max(seconds, off_node / (ib.bus_gbs("all_to_all") * GB * ib.bandwidth_fraction(per_peer)))
+    return (latency + profile.node.call_wakeup_us(n)) * US + seconds
 
 
 def p2p_seconds(recv_bytes: float, link: Link) -> float:
@@ -81,7 +96,7 @@ def p2p_seconds(recv_bytes: float, link: Link) -> float:
 
     hardware.md 3.2: sendrecv ~80-180 GB/s on NVLink against ~370 for ring collectives.
     """
-    return link.p2p_latency_us * US + recv_bytes / (link.p2p_gbs * GB * link.bandwidth_fraction(recv_bytes))
+    return link.p2p_latency_us * US + recv_bytes / (link.bus_gbs("send_recv") * GB * link.bandwidth_fraction(recv_bytes))
 
 
 def collective_seconds(work: Comm, recv_bytes: float, profile: HardwareProfile) -> float:
@@ -89,14 +104,11 @@ def collective_seconds(work: Comm, recv_bytes: float, profile: HardwareProfile) 
     if recv_bytes <= 0:
         return 0.0
     group = work.group
-    if work.collective in ("all-gather", "reduce-scatter"):
-        return ring_seconds(recv_bytes, 1, group, profile)
-    if work.collective == "all-reduce":  # reduce-scatter then all-gather
-        return ring_seconds(recv_bytes, 2, group, profile)
+    if work.collective in ("all-gather", "reduce-scatter", "all-reduce"):  # all-reduce = RS + AG
+        return ring_seconds(work.collective.replace("-", "_"), recv_bytes, group, profile)
     if work.collective == "all-to-all":
         return alltoall_seconds(recv_bytes, group, profile)
-    link = profile.links.infiniband if group.spans_nodes else profile.links.nvlink
-    return p2p_seconds(recv_bytes, link)
+    return p2p_seconds(recv_bytes, profile.link("infiniband" if group.spans_nodes else "nvlink"))
 
 
 def comm_seconds(work: Comm, profile: HardwareProfile) -> np.ndarray:

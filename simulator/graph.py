@@ -79,6 +79,7 @@ class Compute:
     kernels: int = 1  # GEMM calls the FLOPs are split into: efficiency depends on one call's size
     tile_len: PerRank = ()  # attention: mean keys per query the kernel sweeps
     masked: bool = False  # attention: mask edges cut kernel tiles
+    dense_flops: PerRank = ()  # attention: FLOPs of the whole queries x keys rectangle of the call
 
 
 @dataclass(frozen=True)
@@ -340,38 +341,42 @@ class _Builder:
         return self.tokens * per_token * self.dt / self.tp / 2
 
     def attention_split(self, a: AttentionSpec, pattern: str) -> list[tuple[str, np.ndarray]]:
-        """Attention pairs per rank by where the keys come from: local, then the remote sources.
+        """(name, pairs, keys in the call) per rank, by where the keys come from.
 
-        A collective transport splits the rank's own positions from the rest; a ring splits the
-        rest by step (the shard of the rank s places back in the ring).
+        A collective transport splits the rank's own positions from the rows it receives; a ring
+        splits the rest by step (the shard of the rank s places back in the ring).
         """
         window = a.window if a.kind == "sliding" else None
         lay = self.lay
         total = np.array([lay.pairs(r, window) for r in range(self.n)], dtype=float)
         if pattern == "none":
-            return [("attn", total)]
+            return [("attn", total, self.positions)]
         queries = [QueryIntervals(lay, r, window) for r in range(self.n)]
         local = np.array([queries[r].pairs_with(lay.shares[r].positions) for r in range(self.n)], dtype=float)
         if pattern != "ring":
-            return [("attn.local", local), ("attn.remote", total - local)]
-        parts = [("attn.local", local)]
+            received = np.array([lay.exchange(a, "forward").rows_received(r) for r in range(self.n)], dtype=float)
+            return [("attn.local", local, self.positions), ("attn.remote", total - local, received)]
+        parts = [("attn.local", local, self.positions)]
         for s in range(1, len(self.cp_sync[0])):
-            step = np.zeros(self.n)
+            step, keys = np.zeros(self.n), np.zeros(self.n)
             for g in self.cp_sync:
                 for i, r in enumerate(g):
-                    step[r] = queries[r].pairs_with(lay.shares[g[(i - s) % len(g)]].owned_kv)
-            parts.append((f"attn.ring{s}", step))
+                    shard = lay.shares[g[(i - s) % len(g)]].owned_kv
+                    step[r], keys[r] = queries[r].pairs_with(shard), size(shard)
+            parts.append((f"attn.ring{s}", step, keys))
         return parts
 
-    def attention_work(self, a: AttentionSpec, pairs: np.ndarray, backward: bool) -> Compute:
+    def attention_work(self, a: AttentionSpec, part: tuple, backward: bool) -> Compute:
         """pairs x 4 x head_dim x heads/tp forward (QK^T and PV), 2.5x that backward."""
-        flops = pairs * self.w.micro_batch * 4 * a.head_dim * a.n_heads / self.tp
+        _, pairs, keys = part
+        per_pair = self.w.micro_batch * 4 * a.head_dim * a.n_heads / self.tp
         if backward:
-            flops = flops * ATTENTION_BACKWARD_FLOP_RATIO
+            per_pair *= ATTENTION_BACKWARD_FLOP_RATIO
         tile = pairs / np.maximum(self.positions, 1)
         masked = a.kind == "sliding" or self.w.block_size % ATTENTION_KERNEL_TILE != 0
-        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(flops),
-                       self.per_rank(0), 1, self.per_rank(tile), masked)
+        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(pairs * per_pair),
+                       self.per_rank(0), 1, self.per_rank(tile), masked,
+                       self.per_rank(self.positions * keys * per_pair))
 
     def kv_comm(self, a: AttentionSpec, exchange: Exchange, step: int, payload=None) -> Comm | None:
         """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank."""
@@ -434,7 +439,7 @@ class _Builder:
         """Local attention runs while the remote K/V arrive; the rest waits for them."""
         ex = self.lay.exchange(a, phase)
         parts = self.cached(("split", a, ex.pattern), lambda: self.attention_split(a, ex.pattern))
-        work = lambda i: self.cached(("attn", a, i, False), lambda: self.attention_work(a, parts[i][1], False))  # noqa: E731
+        work = lambda i: self.cached(("attn", a, i, False), lambda: self.attention_work(a, parts[i], False))  # noqa: E731
         if ex.pattern == "none":
             return self.add(parts[0][0], phase, li, work(0), x)
         if ex.pattern != "ring":
@@ -454,7 +459,7 @@ class _Builder:
         """Remote pairs first, so their dK/dV travel home while the local backward runs."""
         ex = self.lay.exchange(a, "backward")
         parts = self.cached(("split", a, ex.pattern), lambda: self.attention_split(a, ex.pattern))
-        work = lambda i: self.cached(("attn", a, i, True), lambda: self.attention_work(a, parts[i][1], True))  # noqa: E731
+        work = lambda i: self.cached(("attn", a, i, True), lambda: self.attention_work(a, parts[i], True))  # noqa: E731
         if ex.pattern == "none":
             return self.add(parts[0][0], "backward", li, work(0), x)
         if ex.pattern != "ring":
