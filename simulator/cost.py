@@ -57,18 +57,15 @@ def ring_seconds(op: CollectiveOp, recv_bytes: float, group: Group, profile: Har
     n, passes = group.size, 2 if op == "all_reduce" else 1
     steps = passes * (n - 1)
     inter = passes * (group.nodes - 1)
-    if group.spans_nodes:
+    shard = recv_bytes / steps  # one member's slice of the buffer: what the size curves are read at
+    bandwidth = nvl.bus_gbs(op) * nvl.bandwidth_fraction(shard)
+    latency = nvl.call_latency_us + steps * nvl.step_latency_us
+    if group.spans_nodes:  # the ring crosses both levels: the slower one sets the pace
         ib = profile.link("infiniband")
         latency = ib.call_latency_us + (steps - inter) * nvl.step_latency_us + inter * ib.step_latency_us
-        bandwidth = min(nvl.bus_gbs(op), ib.bus_gbs(op) * group.per_node)
-        link = ib
-    else:
-        latency = nvl.call_latency_us + steps * nvl.step_latency_us
-        bandwidth = nvl.bus_gbs(op)
-        link = nvl
+        bandwidth = min(bandwidth, ib.bus_gbs(op) * group.per_node * ib.bandwidth_fraction(shard))
     latency += profile.node.call_wakeup_us(group.size)
-    shard = recv_bytes / steps  # one member's slice of the buffer: what the size curves are read at
-    return latency * US + recv_bytes / (bandwidth * GB * link.bandwidth_fraction(shard))
+    return latency * US + recv_bytes / (bandwidth * GB)
 
 
 def alltoall_seconds(recv_bytes: float, group: Group, profile: HardwareProfile) -> float:

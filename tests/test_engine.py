@@ -1,0 +1,195 @@
+"""Step graph and engines: mechanisms, agreement of the closed form with the DES, every preset."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from simulator.cli_args import default_objective
+from simulator.engine import simulate_graph, summarize
+from simulator.errors import InputError
+from simulator.graph import Comm, Compute, StepGraph, group_on_nodes, pairs_with_keys
+from simulator.hardware import load_profile
+from simulator import mask
+from simulator.layout import Layout, attention_bytes_received
+from simulator.plan import Plan
+from simulator.presets import PRESET_NAMES, load_model
+from simulator.simulate import simulate
+from simulator.trace import write_trace
+from simulator.workload import Workload
+
+K64, K256 = 64 * 1024, 256 * 1024
+M8 = load_model("nemotron-diffusion-8b")
+GEMMA = load_model("diffusiongemma-26b-a4b")
+QWEN = load_model("qwen3.5-27b")
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return load_profile("h200")
+
+
+def graph(model, plan, seq_len=K64, gpn=8, **kw):
+    w = Workload(seq_len=seq_len, **kw)
+    return StepGraph.build(model, w, plan, Layout.build(w, plan), gpn)
+
+
+ENGINE_CASES = [
+    ("cp", M8, Plan(cp=16), {}),
+    ("csbp", M8, Plan(cp=8, bp=16), {}),
+    ("csbp-dp", M8, Plan(dp=2, cp=8, bp=8), {}),
+    ("pure-bp", M8, Plan(bp=16), {}),
+    ("dp", load_model("nemotron-diffusion-3b"), Plan(dp=16), {"seq_len": 4096}),
+    ("tp", M8, Plan(dp=2, tp=8), {}),
+    ("ep", GEMMA, Plan(ep=2, cp=4, bp=8), {}),
+    ("ring", M8, Plan(cp=8, dp=2, transport="ring"), {}),
+    ("linear", QWEN, Plan(cp=4, bp=8, dp=2), {"objective": "fast-dllm-v2"}),
+    ("zero3", M8, Plan(cp=8, bp=16), {"zero_stage": 3}),
+    ("zero0-none", M8, Plan(cp=16), {"zero_stage": 0, "checkpointing": "none"}),
+]
+
+
+@pytest.mark.parametrize("name,model,plan,kw", ENGINE_CASES, ids=[c[0] for c in ENGINE_CASES])
+def test_closed_form_agrees_with_des_without_overlap(name, model, plan, kw, h200):
+    g = graph(model, plan, **kw)
+    des, _ = simulate_graph(g, h200, "des", overlap=False)
+    cf, _ = simulate_graph(g, h200, "closed-form", overlap=False)
+    assert cf.step_time_s == pytest.approx(des.step_time_s, rel=0.01)
+    on_des, _ = simulate_graph(g, h200, "des", overlap=True)
+    on_cf, _ = simulate_graph(g, h200, "closed-form", overlap=True)
+    assert on_des.step_time_s <= des.step_time_s * (1 + 1e-9)  # overlap never slows a step
+    assert on_cf.step_time_s <= cf.step_time_s * (1 + 1e-9)
+    assert on_cf.step_time_s <= on_des.step_time_s * (1 + 1e-9)  # the DES adds queueing only
+
+
+def test_phases_and_exposed_communication_add_up(h200):
+    r = simulate(M8, Workload(seq_len=K256), Plan(dp=2, cp=8), h200, nodes=2)
+    assert sum(r.phases_s.values()) == pytest.approx(r.step_time_s, rel=1e-6)
+    assert 0 <= r.exposed_comm_s < r.step_time_s
+    off = simulate(M8, Workload(seq_len=K256), Plan(dp=2, cp=8), h200, nodes=2, overlap=False)
+    assert off.exposed_comm_s > r.exposed_comm_s
+    assert r.tokens_per_s == pytest.approx(K256 * 2 / r.step_time_s)
+    assert 0 < r.mfu < 1
+
+
+def test_csbp_moves_half_the_attention_bytes_of_cp(h200):
+    cp = simulate(M8, Workload(seq_len=K256), Plan(dp=2, cp=8), h200, nodes=2)
+    csbp = simulate(M8, Workload(seq_len=K256), Plan(dp=2, cp=8, bp=8), h200, nodes=2)
+    assert csbp.attention_traffic_gib_per_gpu == pytest.approx(cp.attention_traffic_gib_per_gpu / 2)
+    for r in (cp, csbp):
+        assert r.comm_gib_per_gpu["attention-kv"] == pytest.approx(r.attention_traffic_gib_per_gpu)
+
+
+@pytest.mark.parametrize("model,plan", [(M8, Plan(cp=16)), (M8, Plan(cp=4, bp=16)),
+                                        (M8, Plan(cp=8, transport="ring", dp=2)),
+                                        (GEMMA, Plan(cp=4, bp=8, ep=2)), (GEMMA, Plan(cp=8, dp=2)),
+                                        (M8, Plan(cp=8, bp=8, tp=2))])
+def test_graph_kv_bytes_are_the_layouts(model, plan):
+    """Every attention K/V byte of the step graph comes from Layout.exchange, none recomputed."""
+    w = Workload(seq_len=K64)
+    lay = Layout.build(w, plan)
+    g = StepGraph.build(model, w, plan, lay, 8)
+    expect = attention_bytes_received(lay, model.layers, w.dtype_bytes, plan.tp)
+    assert g.received_bytes()["attention-kv"] == pytest.approx(np.array(expect, dtype=float))
+
+
+def test_attention_flops_of_a_rank_match_its_pairs():
+    plan = Plan(cp=4, bp=8)
+    w = Workload(seq_len=K64)
+    lay = Layout.build(w, plan)
+    g = StepGraph.build(M8, w, plan, lay, 8)
+    a = M8.layers[0]
+    fwd = sum(np.array(op.work.flops) for op in g.ops
+              if op.layer == 0 and op.phase == "forward" and isinstance(op.work, Compute)
+              and op.work.kind == "attention-fwd")
+    pairs = np.array([lay.pairs(r) for r in range(lay.size)])
+    assert fwd == pytest.approx(pairs * 4 * a.head_dim * a.n_heads)
+    bwd = sum(np.array(op.work.flops) for op in g.ops if op.layer == 0 and isinstance(op.work, Compute)
+              and op.work.kind == "attention-bwd")
+    assert bwd == pytest.approx(2.5 * fwd)
+
+
+def test_kv_gather_overlaps_local_attention_and_the_rest_waits():
+    g = graph(M8, Plan(cp=8, bp=8, dp=2))
+    ops = [op for op in g.ops if op.layer == 3 and op.phase == "forward"]
+    by_name = {op.name: op for op in ops}
+    gather, local, remote = by_name["kv.gather"], by_name["attn.local"], by_name["attn.remote"]
+    assert gather.index not in local.deps and gather.index in remote.deps
+    back = {op.name: op for op in g.ops if op.layer == 3 and op.phase == "backward"}
+    assert back["attn.remote"].index < back["attn.local"].index  # remote first, then overlap
+    assert back["dkv.scatter"].index in back["qkv-bwd"].deps  # dK/dV home before the projection
+    assert back["dkv.scatter"].index not in back["attn.local"].deps
+
+
+def test_pairs_with_keys_counts_the_mask():
+    w = Workload(seq_len=48, block_size=4)
+    for plan in (Plan(cp=4), Plan(cp=2, bp=4), Plan(bp=3)):
+        lay = Layout.build(w, plan)
+        for window in (None, 5):
+            for r in range(lay.size):
+                keys = lay.shares[(r + 1) % lay.size].owned_kv
+                q = mask.span_positions(lay.shares[r].positions)
+                k = mask.span_positions(keys)
+                brute = int(mask.visible(q[:, None], k[None, :], 48, 4, window).sum())
+                assert pairs_with_keys(lay, r, keys, window) == brute
+
+
+def test_group_node_membership_follows_placement():
+    plan = Plan(dp=2, cp=8, bp=8)  # tp,ctx,ep,dp: a context group fills one node
+    assert group_on_nodes(plan, 8, ("ctx",)) == (8, 8)
+    assert group_on_nodes(plan, 8, ("dp", "ctx", "ep")) == (16, 8)
+    moved = Plan(dp=2, cp=8, bp=8, placement="dp,tp,ctx,ep")  # dp innermost: ctx strides over nodes
+    assert group_on_nodes(moved, 8, ("ctx",)) == (8, 4)
+    assert group_on_nodes(Plan(cp=4, bp=8, dp=2), 8, ("ctx",), ctx_block=4) == (4, 4)
+
+
+def test_linear_attention_and_objectives_are_noted(h200):
+    r = simulate(QWEN, Workload(seq_len=K64, objective="fast-dllm-v2"), Plan(cp=8, bp=16), h200, nodes=2)
+    assert any("Ulysses" in n for n in r.notes) and any("fast-dllm-v2" in n for n in r.notes)
+    assert r.comm_gib_per_gpu["other"] > 0
+    one = simulate(QWEN, Workload(seq_len=K64), Plan(cp=8, bp=16), h200, nodes=2)
+    assert r.attention_traffic_gib_per_gpu == pytest.approx(2 * one.attention_traffic_gib_per_gpu)
+    assert r.step_time_s > 1.8 * one.step_time_s
+
+
+def test_trace_is_a_perfetto_document(h200, tmp_path):
+    r = simulate(M8, Workload(seq_len=K64), Plan(cp=8, bp=16), h200, nodes=2)
+    path = tmp_path / "step.json"
+    write_trace(r, path)
+    doc = json.loads(path.read_text())
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == set(range(16))
+    assert {e["tid"] for e in events} == {0, 1}
+    assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(r.step_time_s * 1e6, rel=1e-6)
+
+
+def test_bad_input_is_an_input_error(h200):
+    with pytest.raises(InputError, match="world"):
+        simulate(M8, Workload(seq_len=K64), Plan(cp=8), h200, nodes=2)
+    with pytest.raises(InputError, match="engine"):
+        simulate(M8, Workload(seq_len=K64), Plan(cp=16), h200, nodes=2, engine="magic")
+
+
+def test_a_1024_gpu_plan_simulates_quickly(h200):
+    start = time.perf_counter()
+    r = simulate(M8, Workload(seq_len=K256), Plan(dp=64, cp=16), h200, nodes=128)
+    assert time.perf_counter() - start < 10
+    assert r.feasible and r.engine == "des" and r.gpus == 1024
+
+
+@pytest.mark.parametrize("name", [n for n in PRESET_NAMES if n != "tiny"])
+@pytest.mark.parametrize("seq_len", [K64, 1024 * 1024])
+def test_every_preset_gives_a_result_or_a_reason(name, seq_len):
+    model = load_model(name)
+    drafter = name.startswith("dflash")
+    profile = load_profile("h100" if drafter else "h200")
+    nodes = 1 if drafter else 2
+    plan = Plan(cp=4, bp=8) if drafter else Plan(cp=8, bp=16)
+    r = simulate(model, Workload(seq_len=seq_len, objective=default_objective(model)), plan, profile,
+                 nodes, engine="closed-form")
+    assert r.step_time_s > 0 and r.peak_memory_gib > 0
+    assert r.feasible == (r.reason is None)
+    if not r.feasible:
+        assert r.reason.startswith("infeasible: ")
+    json.dumps(r.to_json())
