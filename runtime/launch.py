@@ -156,7 +156,9 @@ def _collect(procs: list, results, timeout_s: float) -> dict:
         except queue.Empty:
             dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"rank {dead[0][0]} died with exit code {dead[0][1]}") from None
+                rank, code = dead[0]
+                hint = " (killed: out of memory?)" if code == -9 else ""
+                raise RuntimeError(f"rank {rank} died with exit code {code}{hint}") from None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not finish within {timeout_s:.0f} s") from None
             continue
