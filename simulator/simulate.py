@@ -60,7 +60,7 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         nodes=nodes,
         gpus=gpus,
         plan={**plan.axes(), "transport": plan.transport, "schedule": plan.schedule,
-              "placement": plan.placement, "kind": plan.kind},
+              "placement": plan.placement, "kind": plan.kind, "label": plan.label()},
         workload=workload.model_dump(),
         engine=used,
         step_time_s=step,
