@@ -1,10 +1,10 @@
 """The planner: every topology of a cluster, ranked by predicted tokens/s.
 
-Two engines, because they answer different questions cheaply: the closed form scores every
-candidate in microseconds-to-milliseconds, the discrete-event engine models overlap and queueing
-and re-scores only the few candidates that can still win. A recommendation is only meaningful next
-to what users would launch without block parallelism, so the best plan with bp == 1 is kept as the
-*baseline*, scored by the same engine as the recommendation.
+Three stages, cheapest first: the memory model (layout only) drops what cannot fit, the closed
+form scores every candidate that fits, and the discrete-event engine, which models overlap and
+queueing, re-scores only the few candidates that can still win. A recommendation is only
+meaningful next to what users would launch without block parallelism, so the best plan with
+bp == 1 is kept as the *baseline*, scored by the same engine as the recommendation.
 
 Candidates that break a plan rule, or that the simulator finds infeasible (memory, ...), are kept
 and grouped by a normalised reason, so the user sees why a topology is missing from the ranking.
@@ -25,6 +25,8 @@ from typing import get_args
 
 from simulator.errors import InputError
 from simulator.hardware import HardwareProfile
+from simulator.layout import Layout
+from simulator.memory import estimate_memory
 from simulator.plan import AXES, Plan, Schedule, Transport, one_line
 from simulator.result import Result
 from simulator.simulate import simulate
@@ -218,6 +220,16 @@ def _to_rescore(screened: list[tuple[Candidate, Result]], top: int) -> list[int]
     return chosen
 
 
+def memory_misfit(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -> str | None:
+    """Why a candidate cannot fit in GPU memory, or None.
+
+    Memory needs only the layout, not the step's timeline, so it costs milliseconds where a
+    simulation costs far more; at long context most of the space does not fit, so it goes first.
+    """
+    layout = Layout.build(cand.workload, cand.plan)
+    return estimate_memory(model, cand.workload, cand.plan, layout, profile).reason
+
+
 def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -245,7 +257,8 @@ def simulate_all(model: ModelSpec, cands: list[Candidate], profile: HardwareProf
 def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
            axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None) -> Search:
-    """Screen every candidate with the closed form, re-score the best with `engine`, rank.
+    """Drop what does not fit, screen the rest with the closed form, re-score the best with
+    `engine`, rank.
 
     `engine="closed-form"` skips the second stage (sweeps and tests). `workers` defaults to the
     cores this process may use. Raises InputError for an impossible cluster or when nothing fits.
@@ -257,6 +270,14 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     space = enumerate_space(model, workload, gpus, checkpointing, axes)
     groups = dict(space.rejected)
     workers = workers or available_cores()
+    fitting = []
+    for cand in space.candidates:
+        reason = memory_misfit(model, cand, profile)
+        if reason:
+            key = reason_group(reason, rule=False)
+            groups.setdefault(key, InfeasibleGroup(key, reason)).plans.append(cand.label)
+        else:
+            fitting.append(cand)
 
     def evaluate(cands: list[Candidate], eng: str) -> Iterator[tuple[Candidate, Result]]:
         for cand, result in zip(cands, simulate_all(model, cands, profile, nodes, eng, workers)):
@@ -267,8 +288,8 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
                 groups.setdefault(key, InfeasibleGroup(key, result.reason or "infeasible")) \
                     .plans.append(f"{cand.label} ({eng})")
 
-    screened = sorted(evaluate(space.candidates, "closed-form"), key=lambda cr: rank_key(cr[1]))
-    evaluations = len(space.candidates)
+    screened = sorted(evaluate(fitting, "closed-form"), key=lambda cr: rank_key(cr[1]))
+    evaluations = len(fitting)
     ranked = [r for _, r in screened]
     if engine != "closed-form" and screened:
         picks = _to_rescore(screened, des_top)

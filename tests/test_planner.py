@@ -192,3 +192,11 @@ def test_out_writes_a_runtime_plan_file(fake_engine, tmp_path, capsys):
 def test_bad_axes(capsys):
     assert csbp("plan", "--axes", "dp,xp") == 2
     assert "--axes" in capsys.readouterr().err
+
+
+def test_memory_goes_first(h200):
+    big, wl = load_model("nemotron-diffusion-8b"), Workload(seq_len=256 * 1024)
+    dp = planner.Candidate(Plan(dp=16), wl)
+    csbp_ = planner.Candidate(Plan(dp=2, cp=8, bp=8), wl)
+    assert planner.reason_group(planner.memory_misfit(big, dp, h200), rule=False) == "memory"
+    assert planner.memory_misfit(big, csbp_, h200) is None
