@@ -22,7 +22,7 @@ from typing import Literal, Union
 import numpy as np
 
 from simulator import mask
-from simulator.layout import Exchange, Layout, kv_row_bytes
+from simulator.layout import Layout, kv_row_bytes
 from simulator.plan import Plan
 from simulator.spans import Span, intersect, normalize, size
 from simulator.spec import AttentionSpec, ModelSpec
@@ -378,8 +378,9 @@ class _Builder:
                        self.per_rank(0), 1, self.per_rank(tile), masked,
                        self.per_rank(self.positions * keys * per_pair))
 
-    def kv_comm(self, a: AttentionSpec, exchange: Exchange, step: int, payload=None) -> Comm | None:
+    def kv_comm(self, a: AttentionSpec, phase: Phase, step: int, payload: str | None) -> Comm | None:
         """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank."""
+        exchange = self.lay.exchange(a, phase)
         transfers = exchange.steps[step].transfers
         rows = np.array([sum(t.n_rows for t in transfers
                              if t.dst == r and (payload is None or t.payload == payload))
@@ -435,51 +436,62 @@ class _Builder:
         x = self.ffn(li, phase, x, backward=False)
         return self.add("mlp-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
 
+    def split(self, a: AttentionSpec, pattern: str) -> list[tuple]:
+        return self.cached(("split", a, pattern), lambda: self.attention_split(a, pattern))
+
+    def attend(self, li: int, a: AttentionSpec, phase: Phase, pattern: str, part: int, *deps: Deps) -> Deps:
+        """Append attention of the rank's queries over one key part of the layer kind's split."""
+        backward = phase == "backward"
+        split = self.split(a, pattern)
+        work = self.cached(("attn", a, pattern, part, backward),
+                           lambda: self.attention_work(a, split[part], backward))
+        return self.add(split[part][0], phase, li, work, *deps)
+
+    def move_kv(self, name: str, li: int, a: AttentionSpec, phase: Phase, step: int,
+                payload: str | None, *deps: Deps) -> Deps:
+        """Append one step of the layer kind's K/V exchange in `phase` (rows from the layout)."""
+        work = self.cached(("kv", a, phase, step, payload), lambda: self.kv_comm(a, phase, step, payload))
+        return self.add(name, phase, li, work, *deps)
+
     def attention_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
         """Local attention runs while the remote K/V arrive; the rest waits for them."""
-        ex = self.lay.exchange(a, phase)
-        parts = self.cached(("split", a, ex.pattern), lambda: self.attention_split(a, ex.pattern))
-        work = lambda i: self.cached(("attn", a, i, False), lambda: self.attention_work(a, parts[i], False))  # noqa: E731
-        if ex.pattern == "none":
-            return self.add(parts[0][0], phase, li, work(0), x)
-        if ex.pattern != "ring":
-            gather = self.add("kv.gather", phase, li, self.cached(("kv", a, phase), lambda: self.kv_comm(a, ex, 0)), x)
-            local = self.add(parts[0][0], phase, li, work(0), x)
-            return self.add(parts[1][0], phase, li, work(1), local, gather)
+        pattern = self.lay.exchange(a, phase).pattern
+        if pattern == "none":
+            return self.attend(li, a, phase, pattern, 0, x)
+        if pattern != "ring":
+            gather = self.move_kv("kv.gather", li, a, phase, 0, None, x)
+            local = self.attend(li, a, phase, pattern, 0, x)
+            return self.attend(li, a, phase, pattern, 1, local, gather)
         # ring with two K/V buffers: step s lands once step s-2 has been consumed
-        done = [self.add(parts[0][0], phase, li, work(0), x)]
-        kv = x
-        for s in range(1, len(parts)):
-            kv = self.add(f"kv.ring{s}", phase, li, self.cached(("kv", a, phase, s), lambda: self.kv_comm(a, ex, s - 1)),
-                          kv, done[s - 2] if s >= 2 else ())
-            done.append(self.add(parts[s][0], phase, li, work(s), done[-1], kv))
+        done, kv = [self.attend(li, a, phase, pattern, 0, x)], x
+        for s in range(1, len(self.split(a, pattern))):
+            kv = self.move_kv(f"kv.ring{s}", li, a, phase, s - 1, None, kv, done[s - 2] if s >= 2 else ())
+            done.append(self.attend(li, a, phase, pattern, s, done[-1], kv))
         return done[-1]
 
     def attention_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
         """Remote pairs first, so their dK/dV travel home while the local backward runs."""
-        ex = self.lay.exchange(a, "backward")
-        parts = self.cached(("split", a, ex.pattern), lambda: self.attention_split(a, ex.pattern))
-        work = lambda i: self.cached(("attn", a, i, True), lambda: self.attention_work(a, parts[i], True))  # noqa: E731
-        if ex.pattern == "none":
-            return self.add(parts[0][0], "backward", li, work(0), x)
-        if ex.pattern != "ring":
-            remote = self.add(parts[1][0], "backward", li, work(1), x)
-            scatter = self.add("dkv.scatter", "backward", li, self.cached(("dkv", a), lambda: self.kv_comm(a, ex, 0)), remote)
-            return self.add(parts[0][0], "backward", li, work(0), remote) + scatter
+        ph: Phase = "backward"
+        pattern = self.lay.exchange(a, ph).pattern
+        if pattern == "none":
+            return self.attend(li, a, ph, pattern, 0, x)
+        if pattern != "ring":
+            remote = self.attend(li, a, ph, pattern, 1, x)
+            scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, remote)
+            return self.attend(li, a, ph, pattern, 0, remote) + scatter
         # ring with two K/V buffers: K/V of step s land once step s-2 is consumed; the partial
         # dK/dV of a shard move on after the rank has added its share (step s-1), and the last
         # hop takes them home. K/V go first so they never queue behind a dK/dV hop.
-        n = len(parts)
-        kv_work = lambda s: self.cached(("kvb", a, s), lambda: self.kv_comm(a, ex, s - 1, "kv"))  # noqa: E731
-        done = [self.add(parts[0][0], "backward", li, work(0), x)]
-        kv = [(), self.add("kv.ring1", "backward", li, kv_work(1), x)]
+        n = len(self.split(a, pattern))
+        done = [self.attend(li, a, ph, pattern, 0, x)]
+        kv = [(), self.move_kv("kv.ring1", li, a, ph, 0, "kv", x)]
         dkv: Deps = ()
         for s in range(1, n):
             if s + 1 < n:
-                kv.append(self.add(f"kv.ring{s + 1}", "backward", li, kv_work(s + 1), kv[s], done[s - 1]))
-            dkv = self.add(f"dkv.ring{s}", "backward", li, self.cached(("dkvb", a, s), lambda: self.kv_comm(a, ex, s - 1, "dkv")), done[s - 1], dkv)
-            done.append(self.add(parts[s][0], "backward", li, work(s), done[s - 1], kv[s]))
-        home = self.add("dkv.ring-home", "backward", li, self.cached(("dkvb", a, "home"), lambda: self.kv_comm(a, ex, len(ex.steps) - 1, "dkv")), done[-1], dkv)
+                kv.append(self.move_kv(f"kv.ring{s + 1}", li, a, ph, s, "kv", kv[s], done[s - 1]))
+            dkv = self.move_kv(f"dkv.ring{s}", li, a, ph, s - 1, "dkv", done[s - 1], dkv)
+            done.append(self.attend(li, a, ph, pattern, s, done[s - 1], kv[s]))
+        home = self.move_kv("dkv.ring-home", li, a, ph, n - 1, "dkv", done[-1], dkv)
         return done[-1] + home
 
     def ffn(self, li: int, phase: Phase, x: Deps, backward: bool) -> Deps:
