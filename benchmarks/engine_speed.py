@@ -43,7 +43,8 @@ def main() -> None:
               f"{graph.ranks} representative ranks x {len(graph.ops)} ops); "
               f"step {result.step_time_s:.2f} s, {result.tokens_per_s:,.0f} tokens/s")
         per_eval, _ = timed(lambda: simulate_graph(graph, profile, "closed-form"), repeat=5)
-        full, _ = timed(lambda: simulate(model, workload, plan, profile, nodes=128, engine="closed-form"), 3)
+        full, _ = timed(lambda: simulate(model, workload, plan, profile, nodes=128, engine="closed-form",
+                                         with_trace=False), 3)
         print(f"  {'':18s} closed form: {1 / per_eval:6.1f} evaluations/s on a built graph, "
               f"{1 / full:5.1f} /s for the whole simulate() (layout + graph + memory)")
 

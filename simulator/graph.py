@@ -607,6 +607,11 @@ class _Builder:
         if m.is_moe:
             self.notes.append("MoE: balanced routing; experts sharded over ep and not "
                               "tensor-parallel; each sequence-parallel shard routes its own tokens")
+        reduce = "reduce-scatter" if w.zero_stage else "all-reduce"
+        self.notes.append(f"gradients: {reduce} in {w.dtype} per layer bucket over the dp x ctx "
+                          "(x ep) ranks, hidden behind the next layer's backward"
+                          + ("; updated parameters all-gathered after the optimizer, not hidden "
+                             "behind the next step" if w.zero_stage in (1, 2) else ""))
         embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
         views, grads, x = self.views(), (), ()
         for v in range(views):

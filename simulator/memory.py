@@ -131,22 +131,23 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
     dt, tp, mb, L = workload.dtype_bytes, plan.tp, workload.micro_batch, workload.seq_len
     weights = weight_state(model, workload, plan)
     full_ckpt = workload.checkpointing == "full"
+    kinds = model.attention_kinds()  # identical layers hold identical buffers
     per_rank = []
     for r, share in enumerate(layout.shares):
         tokens = share.n_positions * mb
         noisy = size(intersect(share.positions, ((0, L),))) * mb
-        saved = [tokens * saved_bytes_per_token(model, a, dt, tp) for a in model.layers]
-        kv = [kv_buffer_rows(layout, a, r) * mb * kv_row_bytes(a, dt, tp) for a in model.layers]
+        saved = {a: tokens * saved_bytes_per_token(model, a, dt, tp) for a in kinds}
+        kv = {a: kv_buffer_rows(layout, a, r) * mb * kv_row_bytes(a, dt, tp) for a in kinds}
         hidden = tokens * model.hidden * dt / tp  # one hidden-state tensor, SP-sharded
         if full_ckpt:
             # every layer's input, plus one layer recomputed with its gathered K/V, the matching
             # dK/dV buffer and the gradients flowing in and out of it
-            activations = model.n_layers * hidden + max(saved) + 2 * hidden
-            kv_buffers = max(2 * k for k in kv)
+            activations = model.n_layers * hidden + max(saved.values()) + 2 * hidden
+            kv_buffers = 2 * max(kv.values())
         else:
             # every layer keeps its tensors and its gathered K/V; one dK/dV buffer at a time
-            activations = sum(saved) + 2 * hidden
-            kv_buffers = sum(kv) + max(kv)
+            activations = sum(n * saved[a] for a, n in kinds.items()) + 2 * hidden
+            kv_buffers = sum(n * kv[a] for a, n in kinds.items()) + max(kv.values())
         vocab = model.vocab / tp  # vocabulary-parallel head
         logits = loss_chunk_tokens(noisy, math.ceil(vocab), model.hidden) * vocab * dt
         parts = {**weights, "activations": activations, "kv_buffers": kv_buffers, "logits": logits}

@@ -7,6 +7,8 @@ memory it needs and the step time the closed form estimates.
 
 from __future__ import annotations
 
+import numpy as np
+
 from simulator.engine import ENGINES, simulate_graph, summarize
 from simulator.errors import InputError
 from simulator.graph import StepGraph
@@ -27,7 +29,9 @@ ASSUMPTIONS = (
 
 
 def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
-             nodes: int, engine: str = "des", overlap: bool = True) -> Result:
+             nodes: int, engine: str = "des", overlap: bool = True, with_trace: bool = True) -> Result:
+    """One step of `plan` on `nodes` nodes of `profile`; `with_trace=False` skips the timeline
+    events (screening many plans)."""
     if engine not in ENGINES:
         raise InputError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
     if nodes < 1:
@@ -44,9 +48,11 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     if not overlap:
         notes.append("overlap off: every transfer waits for compute and blocks it")
     timeline, durations = simulate_graph(graph, profile, used, overlap)
-    summary = summarize(graph, timeline, durations)
+    summary = summarize(graph, timeline, durations, with_trace)
     step = summary.step_time_s
-    kv = attention_bytes_received(layout, model.layers, workload.dtype_bytes, plan.tp)
+    kv = np.zeros(layout.size)  # identical layers move identical rows: count each kind once
+    for kind, count in model.attention_kinds().items():
+        kv += count * np.array(attention_bytes_received(layout, (kind,), workload.dtype_bytes, plan.tp))
     passes = workload.micro_batch * graph.views
     received = graph.received_bytes()
     executed = graph.flops()
@@ -69,7 +75,7 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         peak_memory_gib=memory.peak_gib,
         memory_gib=memory.per_rank[memory.peak_rank],
         memory_per_rank_gib=memory.totals_gib,
-        attention_traffic_gib_per_gpu=max(kv) * passes / GIB,
+        attention_traffic_gib_per_gpu=float(kv.max()) * passes / GIB,
         comm_gib_per_gpu={k: float(v.max()) / GIB for k, v in received.items()},
         exposed_comm_s=summary.exposed_comm_s,
         phases_s=summary.phases_s,
