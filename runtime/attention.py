@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -85,7 +84,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
 
 
 def positions_of(spans: tuple[Span, ...]) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(span_positions(spans), dtype=np.int64))
+    return torch.from_numpy(span_positions(spans))
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

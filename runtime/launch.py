@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import sys
 import tempfile
 import time
 import traceback
@@ -196,8 +195,3 @@ def _rank_main(rank: int, world: int, init: str, jobs: list, device: str, timeou
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    from simulator.cli import main
-
-    sys.exit(main(["run", *sys.argv[1:]]))

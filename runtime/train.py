@@ -11,7 +11,6 @@ environment, uses NCCL when CUDA is present (gloo otherwise) and prints the resu
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
@@ -56,7 +55,7 @@ class RankReport:
     ctx_rank: int
     losses: list[float]  # global loss of each measured step (the same on every rank)
     step_times_s: list[float]
-    peak_memory_bytes: int  # CUDA allocator peak, or process high-water RSS on CPU
+    peak_memory_bytes: int  # CUDA allocator peak after warm-up, or the process's high-water RSS
     bytes_sent: dict[str, int]  # per category, last step
     bytes_received: dict[str, int]
     attention_received_by_phase: dict[str, int]
@@ -146,11 +145,7 @@ class Trainer:
 
 def run_jobs(jobs: list[Job], rank: int, device: torch.device) -> list[RankReport]:
     """Every job in turn on this rank (the process group is already up)."""
-    reports = []
-    for job in jobs:
-        torch.manual_seed(job.seed)
-        reports.append(Trainer(job, rank, device).run())
-    return reports
+    return [Trainer(job, rank, device).run() for job in jobs]
 
 
 def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]) -> dict:
