@@ -68,6 +68,10 @@ def plan_of(result: Result) -> Plan:
     return Plan(**{k: v for k, v in result.plan.items() if k in Plan.model_fields})
 
 
+def label_of(result: Result) -> str:
+    return describe(plan_of(result), result.workload["checkpointing"])
+
+
 def describe(p: Plan, checkpointing: str) -> str:
     """'dp=2,cp=8,bp=8 collective dual-end ckpt=full': every choice the planner made, in one line."""
     parts = [p.label()]
@@ -114,7 +118,7 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass
 class Space:
-    """The enumerated search space: valid candidates and the rule violations, grouped."""
+    """The enumerated search space: valid candidates, and every rejection grouped by reason."""
 
     candidates: list[Candidate]
     rejected: dict[str, InfeasibleGroup]
@@ -122,6 +126,9 @@ class Space:
     def reject(self, label: str, reason: str, rule: bool) -> None:
         key = reason_group(reason, rule)
         self.rejected.setdefault(key, InfeasibleGroup(key, reason)).plans.append(label)
+
+    def groups(self) -> list[InfeasibleGroup]:
+        return sorted(self.rejected.values(), key=lambda g: -len(g.plans))
 
 
 def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
@@ -251,7 +258,7 @@ def simulate_all(model: ModelSpec, cands: list[Candidate], profile: HardwareProf
     if workers < 2 or len(cands) < 2 or "fork" not in mp.get_all_start_methods():
         return [job(c) for c in cands]
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
-        return list(pool.map(job, cands, chunksize=max(1, len(cands) // (4 * workers))))
+        return list(pool.map(job, cands))  # one at a time: candidate costs differ by 30x
 
 
 def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
@@ -268,14 +275,12 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     start = time.perf_counter()
     gpus = nodes * profile.node.gpus_per_node
     space = enumerate_space(model, workload, gpus, checkpointing, axes)
-    groups = dict(space.rejected)
     workers = workers or available_cores()
     fitting = []
     for cand in space.candidates:
         reason = memory_misfit(model, cand, profile)
         if reason:
-            key = reason_group(reason, rule=False)
-            groups.setdefault(key, InfeasibleGroup(key, reason)).plans.append(cand.label)
+            space.reject(cand.label, reason, rule=False)
         else:
             fitting.append(cand)
 
@@ -284,9 +289,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
             if result.feasible:
                 yield cand, result
             else:
-                key = reason_group(result.reason or "infeasible", rule=False)
-                groups.setdefault(key, InfeasibleGroup(key, result.reason or "infeasible")) \
-                    .plans.append(f"{cand.label} ({eng})")
+                space.reject(f"{cand.label} ({eng})", result.reason or "infeasible", rule=False)
 
     screened = sorted(evaluate(fitting, "closed-form"), key=lambda cr: rank_key(cr[1]))
     evaluations = len(fitting)
@@ -298,7 +301,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
         evaluations += len(picks)
         picked = set(picks)
         ranked = rescored + [r for i, (_, r) in enumerate(screened) if i not in picked]
-    infeasible = sorted(groups.values(), key=lambda g: -len(g.plans))
+    infeasible = space.groups()
     if not ranked or ranked[0].engine != engine:
         summary = "; ".join(f"{g.reason} ({len(g.plans)})" for g in infeasible[:3])
         raise InputError(f"nothing feasible for {model.name} at {fmt_tokens(workload.seq_len)} on "

@@ -20,7 +20,7 @@ import pandas as pd
 from simulator.cli_args import add_workload_args, inputs_from_args
 from simulator.errors import InputError
 from simulator.hardware import HardwareProfile
-from simulator.planner import FAMILIES, Search, describe, fmt_tokens, plan_of, search
+from simulator.planner import FAMILIES, Search, fmt_tokens, label_of, search
 from simulator.workload import parse_tokens
 
 COLUMNS = ("model", "seq_len", "gpus", "nodes", "family", "feasible", "plan", "tokens_per_s",
@@ -91,10 +91,10 @@ def rows(point: Point, found: Search | None, reason: str = "") -> list[dict]:
         r = best.get(fam)
         row = {"model": point.model, "seq_len": point.seq_len, "gpus": point.gpus,
                "nodes": found.nodes if found else None, "family": fam, "feasible": r is not None,
-               "plan": describe(plan_of(r), r.workload["checkpointing"]) if r else reason or "no feasible plan",
+               "plan": label_of(r) if r else reason or "no feasible plan",
                "engine": r.engine if r else None,
                "winner": bool(r is not None and r is found.recommended),
-               "baseline_plan": describe(plan_of(base), base.workload["checkpointing"]) if base else None,
+               "baseline_plan": label_of(base) if base else None,
                "speedup_over_baseline": r.tokens_per_s / base.tokens_per_s if r and base else None}
         for key in ("tokens_per_s", "step_time_s", "peak_memory_gib", "attention_traffic_gib_per_gpu",
                     "exposed_comm_s"):
@@ -157,7 +157,7 @@ def _per_family(df: pd.DataFrame, column: str, ylabel: str, path: Path, hline: f
             if not line.empty:
                 ax.plot(line.seq_len, line[column], "o-", label=fam, color=FAMILY_COLORS[fam])
         if hline is not None:
-            ax.axhline(hline, color="red", ls="--", lw=1, label="usable memory")
+            ax.axhline(hline, color="red", ls="--", lw=1, label="GPU memory")
         _context_axis(ax, df.seq_len.unique())
         ax.set_title(f"{model}, {gpus} GPUs", fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
@@ -216,7 +216,7 @@ def _crossover(df: pd.DataFrame, path: Path) -> Path:
     return path
 
 
-def plot_sweep(df: pd.DataFrame, out_dir: Path, usable_gib: float) -> list[Path]:
+def plot_sweep(df: pd.DataFrame, out_dir: Path, memory_gib: float) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,6 +224,6 @@ def plot_sweep(df: pd.DataFrame, out_dir: Path, usable_gib: float) -> list[Path]
         _per_family(df, "tokens_per_s", "tokens/s (best plan of the family)", out_dir / "tokens_per_s.png"),
         _speedup(df, out_dir / "speedup.png"),
         _per_family(df, "peak_memory_gib", "peak memory per GPU (GiB)", out_dir / "peak_memory.png",
-                    hline=usable_gib),
+                    hline=memory_gib),
         _crossover(df, out_dir / "crossover.png"),
     ]

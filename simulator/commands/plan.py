@@ -13,7 +13,7 @@ from simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, 
 from simulator.errors import InputError
 from simulator.hardware import load_profile
 from simulator.plan import AXES
-from simulator.planner import describe, fmt_tokens, plan_of, search
+from simulator.planner import fmt_tokens, label_of, plan_of, search
 from simulator.report import fmt_time, print_json
 from simulator.presets import PRESET_NAMES, load_model
 from simulator.result import Result
@@ -155,13 +155,10 @@ def _why(found) -> list[str]:
                        f"{fmt_time(base.exposed_comm_s)}")
     if rec.peak_memory_gib < base.peak_memory_gib:
         reasons.append(f"{base.peak_memory_gib - rec.peak_memory_gib:.1f} GiB less peak memory")
-    usable = found.profile.gpu.usable_gib
-    reasons.append(f"peak memory {_gib(rec.peak_memory_gib)} of {usable:.0f} GiB usable")
+    gpu = found.profile.gpu
+    reasons.append(f"peak memory {_gib(rec.peak_memory_gib)} of {gpu.memory_gib:.0f} GiB "
+                   f"({gpu.reserved_gib:.0f} GiB reserved included)")
     return reasons
-
-
-def _label(r: Result) -> str:
-    return describe(plan_of(r), r.workload["checkpointing"])
 
 
 def _print(found, args: argparse.Namespace, command: str | None) -> None:
@@ -169,12 +166,12 @@ def _print(found, args: argparse.Namespace, command: str | None) -> None:
     if not console.is_terminal:  # a file or a pipe has no width: do not squeeze the tables to 80
         console = Console(width=140)
     rec, base = found.recommended, found.baseline
-    console.print(f"\n[bold green]Recommended[/]: [bold]{_label(rec)}[/] ({rec.plan['kind']})",
+    console.print(f"\n[bold green]Recommended[/]: [bold]{label_of(rec)}[/] ({rec.plan['kind']})",
                   highlight=False)
     console.print(f"  {_summary(rec)}", highlight=False)
     console.print(f"  why: {'; '.join(_why(found))}", highlight=False)
     if base is not None:
-        console.print(f"[bold]Baseline[/] (best without BP): {_label(base)} ({base.plan['kind']})",
+        console.print(f"[bold]Baseline[/] (best without BP): {label_of(base)} ({base.plan['kind']})",
                       highlight=False)
         console.print(f"  {_summary(base)}", highlight=False)
         console.print(f"  speedup of the recommendation: [bold]{found.speedup:.2f}x[/]", highlight=False)

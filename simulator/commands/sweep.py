@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         df = run_sweep(grid, profile, block_size=args.block_size, engine=args.engine,
                        on_point=lambda p: bar.update(task, advance=1,
                                                      description=f"{p.model} {p.seq_len} {p.gpus} GPUs"))
-    files = save_table(df, out_dir) + plot_sweep(df, out_dir, profile.gpu.usable_gib)
+    files = save_table(df, out_dir) + plot_sweep(df, out_dir, profile.gpu.memory_gib)
     if args.json:
         print_json({"rows": df.astype(object).where(df.notna(), None).to_dict("records"),
                     "files": [str(f) for f in files]})
