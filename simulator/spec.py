@@ -123,10 +123,11 @@ class ModelSpec(BaseModel):
             decay = 2 * h * a.n_heads  # per-head beta and alpha projections
             conv = a.conv_kernel * (2 * a.n_kv_heads + a.n_heads) * a.head_dim
             return qk + v + gate + out + decay + conv
-        q = h * a.n_heads * a.head_dim * (2 if a.gated_q else 1)
+        q_width = a.n_heads * a.head_dim * (2 if a.gated_q else 1)  # the gate doubles the q projection
         kv = h * a.kv_width * a.kv_tensors
         out = a.n_heads * a.head_dim * h
-        bias = (a.n_heads * a.head_dim + a.kv_width * a.kv_tensors) if self.qkv_bias else 0
+        bias = (q_width + a.kv_width * a.kv_tensors) if self.qkv_bias else 0
+        q = h * q_width
         return q + kv + out + bias
 
     def dense_ffn_params(self) -> int:
