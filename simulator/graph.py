@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Union
 
 import numpy as np
 
 from simulator import mask
 from simulator.layout import Layout, kv_row_bytes
+from simulator.objective_layout import anchor_blocks, canvas_view
+from simulator.objectives import ObjectiveShape, objective_shape
 from simulator.plan import Plan
 from simulator.spans import Span, intersect, normalize, size
 from simulator.spec import AttentionSpec, ModelSpec
@@ -169,32 +171,24 @@ def group_on_nodes(plan: Plan, gpus_per_node: int, axes: tuple[str, ...],
 
 # ---- attention pairs against a set of keys -----------------------------------------------------
 class QueryIntervals:
-    """The key intervals a rank's queries see, so attention work can be split by where keys live.
-
-    Every query of the BD3-LM mask sees at most two key intervals (mask.py): its own noisy block
-    and the clean blocks before it (noisy query), or the clean blocks up to its own (clean query),
-    each cut by the window. Without a window all queries of one block see the same intervals, so
-    they are kept once with a weight; counting keys inside them is then cheap per key set.
+    """The key intervals a rank's queries see (`mask.visible_intervals`), so attention work can be
+    split by where keys live. Without a window all queries of one block see the same intervals,
+    so they are kept once with a weight; counting keys inside them is then cheap per key set.
     """
 
     def __init__(self, layout: Layout, rank: int, window: int | None = None) -> None:
         q = mask.span_positions(layout.shares[rank].positions)
-        L, b = layout.seq_len, layout.block
+        b = layout.block
         if window is None:  # one representative query per (stream, block)
             q, self.weight = np.unique(q // b, return_counts=True)
             q = q * b
         else:
             self.weight = np.ones(q.size, dtype=np.int64)
-        noisy = q < L
-        i = q % L
-        start = (i // b) * b
-        w = window if window is not None else 2 * L + 1
-        lo = np.maximum(0, i - w + 1)
-        last = np.minimum(start + b - 1, i + w - 1)  # last visible key of the query's own block
-        self.intervals = (
-            (np.where(noisy, np.maximum(start, lo), L + lo), np.where(noisy, last + 1, L + last + 1)),
-            (np.where(noisy, L + lo, 0), np.where(noisy, L + start, 0)),
-        )
+        self.intervals = mask.visible_intervals(q, layout.seq_len, b, window)
+
+    def total(self) -> int:
+        """Every pair of the rank's queries (the mask's count, at one query per block)."""
+        return int(sum(((z - a) * self.weight).sum() for a, z in self.intervals))
 
     def pairs_with(self, keys: tuple[Span, ...]) -> int:
         """Pairs whose key lies in `keys`."""
@@ -252,8 +246,9 @@ class _Builder:
     """Appends the ops of one step in program order; each helper returns the ops that end it."""
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
-                 gpus_per_node: int) -> None:
+                 gpus_per_node: int, ops: list | None = None, notes: list | None = None) -> None:
         self.m, self.w, self.p, self.lay = model, workload, plan, layout
+        self.obj: ObjectiveShape = objective_shape(workload, model)
         self.gpn = gpus_per_node
         self.n = layout.size
         self.dt = workload.dtype_bytes
@@ -263,8 +258,11 @@ class _Builder:
         self.tokens = self.positions * mb
         self.noisy = np.array([size(intersect(s.positions, ((0, L),))) for s in layout.shares],
                               dtype=float) * mb
-        self.ops: list[Op] = []
-        self.notes: list[str] = []
+        # drafters: target-feature tokens the rank turns into K/V (keys only, not queries)
+        self.context = np.array([size(intersect(s.owned_kv, ((L, 2 * L),))) if self.obj.context_as_kv
+                                 else 0 for s in layout.shares], dtype=float) * mb
+        self.ops: list[Op] = [] if ops is None else ops  # a sub-pass appends to its parent's ops
+        self.notes: list[str] = [] if notes is None else notes
         self._cache: dict = {}
         every = tuple(range(self.n))
         self.cp_sync = layout.cp_groups()
@@ -340,6 +338,11 @@ class _Builder:
         per_token = 4 * h + 2 * (a.n_heads * a.head_dim + a.kv_width) + 6 * h + 3 * ffn
         return self.tokens * per_token * self.dt / self.tp / 2
 
+    def local_keys(self, rank: int) -> tuple[Span, ...]:
+        """Keys a rank has without any exchange: its own positions and the K/V rows it owns."""
+        share = self.lay.shares[rank]
+        return normalize(share.positions + share.owned_kv)
+
     def attention_split(self, a: AttentionSpec, pattern: str) -> list[tuple[str, np.ndarray]]:
         """(name, pairs, keys in the call) per rank, by where the keys come from.
 
@@ -348,11 +351,11 @@ class _Builder:
         """
         window = a.window if a.kind == "sliding" else None
         lay = self.lay
-        total = np.array([lay.pairs(r, window) for r in range(self.n)], dtype=float)
+        queries = [QueryIntervals(lay, r, window) for r in range(self.n)]
+        total = np.array([q.total() for q in queries], dtype=float)
         if pattern == "none":
             return [("attn", total, self.positions)]
-        queries = [QueryIntervals(lay, r, window) for r in range(self.n)]
-        local = np.array([queries[r].pairs_with(lay.shares[r].positions) for r in range(self.n)], dtype=float)
+        local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
         if pattern != "ring":
             received = np.array([lay.exchange(a, "forward").rows_received(r) for r in range(self.n)], dtype=float)
             return [("attn.local", local, self.positions), ("attn.remote", total - local, received)]
@@ -422,6 +425,7 @@ class _Builder:
         x = self.add("attn-in.ag", phase, li, self.tp_collective("all-gather"), x)
         x = self.add("norm-rope", phase, li, norm_work, x)
         x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.gemm(f_in)), x)
+        x = self.add("context-kv", phase, li, c(("ctx-kv", a), lambda: self.context_kv(a, 1.0)), x)
         if a.kind == "linear":
             a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
             x = self.add("lin.a2a-in", phase, li, a2a_in, x)
@@ -506,8 +510,9 @@ class _Builder:
         tokens = self.tokens / self.tp  # each sequence-parallel shard routes its own tokens
         a2a = self.cached("ep-a2a", lambda: self.comm(
             "all-to-all", tokens * h * moe.top_k * self.dt * (ep - 1) / ep, self.g_ep, "ep"))
+        router_ratio = 1.0 if backward and self.obj.frozen_router else ratio  # input gradient only
         router = self.add("router", phase, li, self.cached(("router", backward), lambda: self.gemm(
-            ratio * 2 * tokens * h * moe.n_experts)), x)
+            router_ratio * 2 * tokens * h * moe.n_experts)), x)
         sent = self.add("ep.combine-grad" if backward else "ep.dispatch", phase, li, a2a, router)
         experts = self.add("experts", phase, li, self.cached(("experts", backward), lambda: self.gemm(
             ratio * 2 * tokens * moe.top_k * 3 * h * moe.expert_ffn,
@@ -536,6 +541,7 @@ class _Builder:
             x = self.add("lin.a2a-in-bwd", "backward", li, a2a_in, x)
         else:
             x = self.attention_backward(li, a, x)
+        x = self.add("context-kv-bwd", "backward", li, c(("ctx-kvb", a), lambda: self.context_kv(a, g)), x)
         x = self.add("qkv-bwd", "backward", li, c(("qkvb", a), lambda: self.gemm(g * f_in, 2)), x)
         x = self.add("norm-rope-bwd", "backward", li, norm_work, x)
         return self.add("attn-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x)
@@ -548,11 +554,17 @@ class _Builder:
         return dense, m.expert_params_per_layer() / self.p.ep
 
     def edge_params(self) -> tuple[float, float]:
-        """(LM head, embedding + final norm + conditioning) parameters one rank holds."""
+        """(LM head, embedding + final norm + conditioning) parameters one rank trains.
+
+        A drafter's embedding and LM head are the frozen target's: only the norm and the
+        conditioning projection remain.
+        """
         m, tp = self.m, self.tp
+        cond = (m.conditioning_layers * m.hidden ** 2) / tp + m.hidden
+        if self.obj.frozen_embeddings:
+            return 0.0, cond
         head = m.vocab * m.hidden / tp
-        rest = m.embedding_params() / tp - head + (m.conditioning_layers * m.hidden ** 2) / tp + m.hidden
-        return head, rest
+        return head, m.embedding_params() / tp - head + cond
 
     def grad_sync(self, layer: int | None, dense: float, expert: float, x: Deps) -> Deps:
         """Reduce one bucket of gradients over its data-parallel group (ZeRO >= 1: reduce-scatter)."""
@@ -582,24 +594,53 @@ class _Builder:
             dense, expert = dense / self.g_dense.size, expert / self.g_expert.size
         return self.memory_bound((dense + expert) * ADAMW_BYTES_PER_PARAM, "optimizer")
 
-    # -- the step ------------------------------------------------------------------------------
-    def views(self) -> int:
-        obj = self.w.objective
-        if obj == "fast-dllm-v2":
-            self.notes.append("fast-dllm-v2: two complementary masked views per example, each a "
-                              "full 2L forward+backward (the clean pass is not shared between "
-                              "views); gradients reduced once, during the second view's backward")
-            return 2
-        if obj != "bd3lm":
-            self.notes.append(f"objective {obj}: step shaped as BD3-LM for now (its extra passes "
-                              "and conditioning are not modelled yet)")
-        return 1
+    # -- objective-specific work -----------------------------------------------------------------
+    def context_kv(self, a: AttentionSpec, ratio: float) -> Compute | None:
+        """Drafter: K and V projections of the target-feature tokens a rank holds (x ratio backward)."""
+        if not self.context.any() or a.kind == "linear":
+            return None
+        return self.gemm(ratio * 2 * self.context * self.m.hidden * a.kv_width * a.kv_tensors / self.tp,
+                         a.kv_tensors * (2 if ratio > 1 else 1))
 
+    def conditioning(self, backward: bool) -> Compute | None:
+        """Drafter: fc projection of the concatenated target layers to the hidden size.
+
+        The features are data (captured offline), so the backward is the weight gradient only.
+        """
+        if not self.context.any():
+            return None
+        return self.gemm(2 * self.context * self.m.conditioning_layers * self.m.hidden ** 2 / self.tp)
+
+    def canvas_pass(self, x: Deps) -> Deps:
+        """Self-conditioning: the expected share of a gradient-free forward of the canvas tokens
+        and their LM head, appended as work scaled by the pass's probability."""
+        p = self.obj.canvas_passes
+        sub = _Builder(self.m, self.w, self.p, canvas_view(self.lay), self.gpn, self.ops, self.notes)
+        start = len(self.ops)
+        for li, a in enumerate(self.m.layers):
+            x = sub.layer_forward(li, a, "forward", x)
+        x = sub.loss_forward(x)
+        scaled: dict[int, Work] = {}
+        for op in self.ops[start:]:
+            if id(op.work) not in scaled:
+                scaled[id(op.work)] = _scaled(op.work, p)
+            self.ops[op.index] = replace(op, name=f"selfcond.{op.name}", work=scaled[id(op.work)])
+        return x
+
+    def loss_forward(self, x: Deps) -> Deps:
+        """Vocabulary-parallel LM head and cross-entropy over the loss tokens (the noisy ones)."""
+        h, V = self.m.hidden, self.m.vocab
+        x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", self.noisy), x)
+        x = self.add("lm-head", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
+        return self.add("cross-entropy", "forward", None, self.memory_bound(self.noisy * V / self.tp * 4 * 3), x)
+
+    # -- the step ------------------------------------------------------------------------------
     def build(self) -> StepGraph:
-        m, w, layers = self.m, self.w, self.m.layers
+        m, w, layers, obj = self.m, self.w, self.m.layers, self.obj
         h, V = m.hidden, m.vocab
         zero3, recompute = w.zero_stage == 3, w.checkpointing == "full"
         head_params, edge_params = self.edge_params()
+        self.notes.extend(obj.notes)
         if any(a.kind == "linear" for a in layers) and self.lay.kind in ("cp", "csbp"):
             self.notes.append("linear-attention layers under CP/CSBP: sequence<->head all-to-all "
                               "of q, k, v and of the output over each cp group (Ulysses-style), "
@@ -613,23 +654,25 @@ class _Builder:
                           + ("; updated parameters all-gathered after the optimizer, not hidden "
                              "behind the next step" if w.zero_stage in (1, 2) else ""))
         embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
-        views, grads, x = self.views(), (), ()
-        for v in range(views):
-            last_view = v == views - 1
+        # the LM head's backward: input and weight gradients, or the input gradient of a frozen head
+        head_ratio = 1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO
+        grads, x = (), ()
+        if obj.canvas_passes:
+            x = self.canvas_pass(x)
+        for v in range(obj.views):
+            last_view = v == obj.views - 1
             x = self.add("embed", "forward", None, embed, x)
+            x = self.add("fc-conditioning", "forward", None, self.conditioning(False), x)
             prefetch: Deps = ()
             for li, a in enumerate(layers):
                 if zero3:  # gather layer li's parameters while layer li-1 computes
                     prefetch = self.param_gather("zero3.params", "forward", li, *self.layer_params(a), prefetch)
                 x = self.layer_forward(li, a, "forward", x + prefetch)
-            # loss: vocabulary-parallel LM head over the noisy tokens the rank owns, in chunks
-            x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", self.noisy), x)
-            x = self.add("lm-head", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
-            x = self.add("cross-entropy", "forward", None, self.memory_bound(self.noisy * V / self.tp * 4 * 3), x)
+            x = self.loss_forward(x)
             x = self.add("lm-head-bwd", "backward", None, self.gemm(
-                GEMM_BACKWARD_FLOP_RATIO * 2 * self.noisy * h * V / self.tp, 2), x)
+                head_ratio * 2 * self.noisy * h * V / self.tp, 2 if head_ratio > 1 else 1), x)
             x = self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", self.noisy), x)
-            if last_view and not m.tie_embeddings:
+            if last_view and head_params and not m.tie_embeddings:
                 grads += self.grad_sync(None, head_params, 0.0, x)
             prefetch = ()
             for li in range(len(layers) - 1, -1, -1):
@@ -641,7 +684,9 @@ class _Builder:
                 x = self.layer_backward(li, a, x + prefetch)
                 if last_view:
                     grads += self.grad_sync(li, *self.layer_params(a), x)
-            x = self.add("embed-bwd", "backward", None, embed, x)
+            x = self.add("fc-conditioning-bwd", "backward", None, self.conditioning(True), x)
+            if not obj.frozen_embeddings:
+                x = self.add("embed-bwd", "backward", None, embed, x)
             if last_view:
                 tied = head_params if m.tie_embeddings else 0.0
                 grads += self.grad_sync(None, edge_params + tied, 0.0, x)
@@ -650,25 +695,66 @@ class _Builder:
             dense = sum(self.layer_params(a)[0] for a in layers) + head_params + edge_params
             expert = sum(self.layer_params(a)[1] for a in layers)
             self.param_gather("updated-params", "param-sync", None, dense, expert, step)
-        return StepGraph(self.n, tuple(self.ops), self.model_flops() * views, views, tuple(self.notes))
+        return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.views, tuple(self.notes))
 
     def model_flops(self) -> float:
         """One context group's step math, counted once: 3x forward GEMMs, 3.5x attention.
 
-        The graph's formulas on the unsplit 2L sequence, so replicated work (pure BP's clean
-        prefix, CSBP's clean replicas) and recompute do not count as useful work.
+        The graph's formulas on the unsplit sequence (every view, the expected self-conditioning
+        forward), so replicated work (pure BP's clean prefix, CSBP's clean replicas, CP's replicated
+        draft decoder) and recompute do not count as useful work.
         """
-        m, L, b = self.m, self.w.seq_len, self.w.block_size
-        tokens, total = 2 * L, 0.0
+        m, obj = self.m, self.obj
+        draft = _anchor_tokens(self.w) if obj.context_as_kv else None
+        if draft is not None:  # drafter: draft tokens through the layers, context as K/V only
+            L, T = self.w.seq_len, draft
+            ctx = sum(3 * 2 * L * m.hidden * a.kv_width * a.kv_tensors for a in m.layers if a.kind != "linear")
+            pairs = dict.fromkeys(m.attention_kinds(), _anchor_pairs(self.w))
+            total = self._layers_flops(T, pairs, 3.0) + ctx
+            total += 2 * 2 * L * m.conditioning_layers * m.hidden ** 2  # fc: forward + weight gradient
+            total += 2 * 2 * T * m.hidden * m.vocab  # frozen head: forward + input gradient
+            return total * self.w.micro_batch
+        L, b = self.w.seq_len, self.w.block_size
+        pairs = {a: _sequence_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
+        main = self._layers_flops(2 * L, pairs, 3.0) + 3 * 2 * L * m.hidden * m.vocab
+        canvas = {a: _canvas_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
+        selfcond = self._layers_flops(L, canvas, 1.0) + 2 * L * m.hidden * m.vocab
+        return (obj.views * main + obj.canvas_passes * selfcond) * self.w.micro_batch
+
+    def _layers_flops(self, tokens: float, pairs: dict[AttentionSpec, float], gemm_x: float) -> float:
+        """Every layer's GEMMs on `tokens` (x gemm_x) and attention on its pairs (x gemm_x + 0.5
+        for forward+backward, x1 for a forward only)."""
+        m, total = self.m, 0.0
+        attn_x = gemm_x + 0.5 if gemm_x > 1 else 1.0
         for a in m.layers:
             gemm = m.mixer_params(a) + m.dense_ffn_params()
             if m.moe:
                 gemm += m.moe.top_k * 3 * m.hidden * m.moe.expert_ffn + m.hidden * m.moe.n_experts
-            total += 3 * 2 * tokens * gemm
+            total += gemm_x * 2 * tokens * gemm
             if a.kind == "linear":
-                total += 3.5 * tokens * a.n_heads * delta_rule_flops_per_token(a.head_dim, a.head_dim)
+                total += attn_x * tokens * a.n_heads * delta_rule_flops_per_token(a.head_dim, a.head_dim)
             else:
-                pairs = _sequence_pairs(L, b, a.window if a.kind == "sliding" else None)
-                total += 3.5 * pairs * 4 * a.head_dim * a.n_heads
-        total += 3 * 2 * L * m.hidden * m.vocab
-        return total * self.w.micro_batch
+                total += attn_x * pairs[a] * 4 * a.head_dim * a.n_heads
+        return total
+
+
+def _scaled(work: Work, p: float) -> Work:
+    """The expected work of something that runs with probability p."""
+    if isinstance(work, Comm):
+        return replace(work, bytes=tuple(b * p for b in work.bytes))
+    return replace(work, flops=tuple(f * p for f in work.flops), bytes=tuple(b * p for b in work.bytes),
+                   dense_flops=tuple(f * p for f in work.dense_flops))
+
+
+@functools.lru_cache(maxsize=64)
+def _canvas_pairs(seq_len: int, block: int, window: int | None) -> int:
+    return mask.pairs(((0, seq_len),), seq_len, block, window)
+
+
+def _anchor_tokens(w: Workload) -> int:
+    return min(w.max_anchors, w.n_blocks) * w.block_size
+
+
+def _anchor_pairs(w: Workload) -> int:
+    spans = tuple((k * w.block_size, (k + 1) * w.block_size) for k in anchor_blocks(w.n_blocks, w.max_anchors))
+    return mask.pairs(spans, w.seq_len, w.block_size)

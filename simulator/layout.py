@@ -145,6 +145,12 @@ class Layout:
 
     @classmethod
     def build(cls, workload: Workload, plan: Plan) -> "Layout":
+        """The layout of (workload, plan); a DFlash drafter's draft blocks sit at its anchors."""
+        if workload.objective == "dflash2":
+            from simulator.objective_layout import AnchorLayout
+
+            return AnchorLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing,
+                                anchors=workload.max_anchors)
         return cls(workload.seq_len, workload.block_size, plan, workload.checkpointing)
 
     # ---- ownership -------------------------------------------------------------------------

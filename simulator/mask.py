@@ -28,22 +28,32 @@ def visible(q, k, seq_len: int, block: int, window: int | None = None):
     return mask
 
 
-def visible_counts(positions: np.ndarray, seq_len: int, block: int,
-                   window: int | None = None) -> np.ndarray:
-    """Number of keys each query position sees (closed form of `visible`, O(n) not O(n^2))."""
+def visible_intervals(positions, seq_len: int, block: int, window: int | None = None):
+    """The key intervals [start, stop) each query position sees: ((own_lo, own_hi), (prefix_lo, prefix_hi)).
+
+    Every query of the mask sees at most two contiguous runs of keys: a noisy query its own noisy
+    block and the clean tokens before that block, a clean query the clean tokens up to the end of
+    its block (its second run is empty); the window cuts both. Counting keys, and splitting the
+    work by where keys live (graph.py), then needs only interval arithmetic, never the n^2 mask.
+    """
     p = np.asarray(positions, dtype=np.int64)
     noisy = p < seq_len
     i = p % seq_len
     start = (i // block) * block  # first token of the query's block
     w = np.int64(window) if window is not None else np.int64(2 * seq_len + 1)
-    lo = np.maximum(0, i - w + 1)  # earliest position the window admits
-    hi = i + w - 1  # latest
-    # noisy: own noisy block within the window, plus clean tokens before the block
-    own = np.minimum(start + block - 1, hi) - np.maximum(start, lo) + 1
-    clean_before = np.maximum(0, start - lo)
-    # clean: clean tokens of earlier blocks and of its own block, within the window
-    clean_upto = np.minimum(start + block - 1, hi) - lo + 1
-    return np.where(noisy, own + clean_before, clean_upto)
+    lo = np.maximum(0, i - w + 1)  # earliest original position the window admits
+    last = np.minimum(start + block - 1, i + w - 1)  # last visible key of the query's own block
+    own = (np.where(noisy, np.maximum(start, lo), seq_len + lo),
+           np.where(noisy, last + 1, seq_len + last + 1))
+    prefix = (np.where(noisy, seq_len + lo, 0), np.where(noisy, seq_len + np.maximum(start, lo), 0))
+    return own, prefix
+
+
+def visible_counts(positions: np.ndarray, seq_len: int, block: int,
+                   window: int | None = None) -> np.ndarray:
+    """Number of keys each query position sees (closed form of `visible`, O(n) not O(n^2))."""
+    (a0, z0), (a1, z1) = visible_intervals(positions, seq_len, block, window)
+    return (z0 - a0) + (z1 - a1)
 
 
 def span_positions(spans: tuple[Span, ...]) -> np.ndarray:

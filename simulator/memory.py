@@ -15,6 +15,7 @@ import numpy as np
 
 from simulator.hardware import HardwareProfile
 from simulator.layout import Layout, kv_row_bytes
+from simulator.objectives import objective_shape
 from simulator.plan import Plan
 from simulator.result import GIB
 from simulator.spans import intersect, size
@@ -110,8 +111,13 @@ def kv_buffer_rows(layout: Layout, a: AttentionSpec, rank: int) -> int:
 
 
 def weight_state(model: ModelSpec, workload: Workload, plan: Plan) -> dict[str, float]:
-    """Bytes of parameters, gradients and optimizer state per rank, sharded by ZeRO stage."""
-    dense = (model.dense_params()) / plan.tp
+    """Bytes of parameters, gradients and optimizer state per rank, sharded by ZeRO stage.
+
+    Frozen parameters (a drafter's embedding and LM head, shared with the target) are held in the
+    compute dtype and have neither gradients nor optimizer state.
+    """
+    frozen = model.embedding_params() / plan.tp if objective_shape(workload, model).frozen_embeddings else 0.0
+    dense = model.dense_params() / plan.tp - frozen
     expert = model.n_layers * model.expert_params_per_layer() / plan.ep
     n_dense = plan.dp * plan.ctx * plan.ep  # ranks holding the same dense shard
     n_expert = plan.dp * plan.ctx * plan.tp
@@ -120,10 +126,29 @@ def weight_state(model: ModelSpec, workload: Workload, plan: Plan) -> dict[str, 
     full = dense + expert
     largest_layer = max(model.mixer_params(a) + model.dense_ffn_params() for a in model.layers) / plan.tp \
         + model.expert_params_per_layer() / plan.ep
-    params = full * dt if z < 3 else (sharded + 2 * largest_layer) * dt  # ZeRO-3: gathered + prefetched layer
+    params = (full if z < 3 else sharded + 2 * largest_layer) * dt + frozen * dt  # ZeRO-3: gathered + prefetched layer
     grads = full * dt if z < 2 else (sharded + 2 * largest_layer) * dt  # ZeRO-2/3: reduce buckets
     optimizer = (full if z < 1 else sharded) * OPTIMIZER_BYTES_PER_PARAM
     return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def context_bytes(model: ModelSpec, kinds: dict[AttentionSpec, int], tokens: float, dtype_bytes: int,
+                  tp: int, keep_kv: bool) -> float:
+    """A drafter's target-feature tokens on one rank: the captured features of every conditioning
+    layer, their fc projection, and the K/V each draft layer makes of them (all layers kept for
+    the backward without checkpointing, one layer at a time with it)."""
+    kv = {a: a.kv_width * a.kv_tensors / tp for a in kinds if a.kind != "linear"}
+    per_layer = sum(n * kv[a] for a, n in kinds.items() if a in kv) if keep_kv else max(kv.values(), default=0)
+    return tokens * (model.conditioning_layers * model.hidden + model.hidden + per_layer) * dtype_bytes
+
+
+def loss_bytes(model: ModelSpec, loss_tokens: int, vocab_block: int | None, dtype_bytes: int, tp: int) -> float:
+    """Logit buffers of the loss: Liger-style token chunks over the whole (TP-split) vocabulary,
+    or, vocabulary-blocked, one block of logits for every token and its gradient."""
+    vocab = math.ceil(model.vocab / tp)
+    if vocab_block:
+        return 2 * loss_tokens * min(vocab_block, vocab) * dtype_bytes
+    return loss_chunk_tokens(loss_tokens, vocab, model.hidden) * vocab * dtype_bytes
 
 
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -132,6 +157,7 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
     weights = weight_state(model, workload, plan)
     full_ckpt = workload.checkpointing == "full"
     kinds = model.attention_kinds()  # identical layers hold identical buffers
+    obj = objective_shape(workload, model)
     per_rank = []
     for r, share in enumerate(layout.shares):
         tokens = share.n_positions * mb
@@ -148,8 +174,10 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
             # every layer keeps its tensors and its gathered K/V; one dK/dV buffer at a time
             activations = sum(n * saved[a] for a, n in kinds.items()) + 2 * hidden
             kv_buffers = sum(n * kv[a] for a, n in kinds.items()) + max(kv.values())
-        vocab = model.vocab / tp  # vocabulary-parallel head
-        logits = loss_chunk_tokens(noisy, math.ceil(vocab), model.hidden) * vocab * dt
+        if obj.context_as_kv:
+            context = size(intersect(share.owned_kv, ((L, 2 * L),))) * mb
+            activations += context_bytes(model, kinds, context, dt, tp, keep_kv=not full_ckpt)
+        logits = loss_bytes(model, noisy, obj.vocab_block, dt, tp)
         parts = {**weights, "activations": activations, "kv_buffers": kv_buffers, "logits": logits}
         gib = {k: v / GIB for k, v in parts.items()}
         gib["reserved"] = profile.gpu.reserved_gib

@@ -2,7 +2,8 @@
 
 The objective is a seam: BD3-LM is the reference mask (noisy block -> its own block and earlier
 clean blocks; clean block -> clean blocks up to itself). Other objectives change how many views
-and passes a step runs, not the layout machinery.
+and passes a step runs, which tokens carry the loss and what is frozen (`objectives.py`); the
+fields below that only one objective reads are ignored by the others.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class Workload(BaseModel):
     dtype: DType = "bf16"
     checkpointing: Checkpointing = "full"
     zero_stage: int = Field(2, ge=0, le=3)
+    # diffusiongemma: probability of the self-conditioning pass (a second, gradient-free canvas pass)
+    self_conditioning: float = Field(0.5, ge=0, le=1)
+    # dflash2: anchor positions sampled per sequence (each starts one draft block of block_size)
+    max_anchors: PositiveInt = 2048
+    # dflash2: the loss runs over the vocabulary in blocks of this many entries (None: whole vocabulary)
+    vocab_block: PositiveInt | None = 32768
 
     @model_validator(mode="after")
     def _check(self) -> "Workload":
