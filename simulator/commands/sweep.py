@@ -6,11 +6,13 @@ import argparse
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from simulator.cli_args import DEFAULT_HARDWARE, DEFAULT_MODEL
+from simulator.planner import fmt_tokens
 from simulator.report import print_json
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from simulator.hardware import load_profile
-    from simulator.sweep import plot_sweep, points, run_sweep, save_table, split_list
+    from simulator.sweep import plot_sweep, points, run_sweep, save_table, split_list  # pandas: slow import
 
     profile = load_profile(args.hardware)
     grid = points(split_list(args.models, "models"), split_list(args.seq_lens, "seq-lens"),
@@ -50,13 +52,15 @@ def run(args: argparse.Namespace) -> int:
         task = bar.add_task("planning", total=len(grid))
         df = run_sweep(grid, profile, block_size=args.block_size, engine=args.engine,
                        on_point=lambda p: bar.update(task, advance=1,
-                                                     description=f"{p.model} {p.seq_len} {p.gpus} GPUs"))
+                                                     description=f"{p.model} {fmt_tokens(p.seq_len)} {p.gpus} GPUs"))
     files = save_table(df, out_dir) + plot_sweep(df, out_dir, profile.gpu.memory_gib)
     if args.json:
         print_json({"rows": df.astype(object).where(df.notna(), None).to_dict("records"),
                     "files": [str(f) for f in files]})
         return 0
     console = Console()
+    if not console.is_terminal:  # a file or a pipe has no width: do not squeeze the table to 80
+        console = Console(width=140)
     console.print(_winners(df))
     for f in files:
         console.print(f"wrote {f}", highlight=False)
@@ -64,11 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _winners(df: pd.DataFrame) -> Table:
-    from simulator.planner import fmt_tokens
-
-    table = Table(title="Recommended plan per point")
+    table = Table(title="Recommended plan per point", box=box.SIMPLE_HEAD)
     for col in ("model", "context", "GPUs", "plan", "family", "tokens/s", "vs baseline"):
-        table.add_column(col, justify="right" if col in ("tokens/s", "vs baseline", "GPUs") else "left")
+        table.add_column(col, justify="right" if col in ("tokens/s", "vs baseline", "GPUs") else "left",
+                         no_wrap=col in ("model", "plan"))
     for point, sub in df.groupby(["model", "seq_len", "gpus"], sort=False):
         win = sub[sub.winner]
         model, seq_len, gpus = point
