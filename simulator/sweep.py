@@ -223,7 +223,7 @@ def plot_sweep(df: pd.DataFrame, out_dir: Path, memory_gib: float) -> list[Path]
     return [
         _per_family(df, "tokens_per_s", "tokens/s (best plan of the family)", out_dir / "tokens_per_s.png"),
         _speedup(df, out_dir / "speedup.png"),
-        _per_family(df, "peak_memory_gib", "peak memory per GPU (GiB),\nfastest plan of the family", out_dir / "peak_memory.png",
-                    hline=memory_gib),
+        _per_family(df, "peak_memory_gib", "peak memory per GPU (GiB),\nfastest plan of the family",
+                    out_dir / "peak_memory.png", hline=memory_gib),
         _crossover(df, out_dir / "crossover.png"),
     ]

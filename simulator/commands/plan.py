@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     searched = {"axes": parse_axes(args.axes), "workers": args.jobs}
     if args.checkpointing:
         searched["checkpointing"] = (args.checkpointing,)
-    inputs = inputs_from_args(argparse.Namespace(**vars(args) | {"checkpointing": args.checkpointing or "full"}))
+    flags = vars(args) | {"checkpointing": args.checkpointing or "full"}
+    inputs = inputs_from_args(argparse.Namespace(**flags))
     profile = load_profile(args.hardware)
     log = Console(stderr=args.json)  # with --json, stdout holds only the JSON object
     header = (f"Planning {inputs.model.name} at {fmt_tokens(inputs.workload.seq_len)} on {args.nodes} x "
@@ -193,10 +194,10 @@ def _ranking(found, top: int) -> Table:
     table = Table(title=f"Top {min(top, len(found.ranked))} of {len(found.ranked)} feasible candidates",
                   box=box.SIMPLE_HEAD, caption="K/V: clean K/V transport; blocks: noisy-block schedule; "
                   "ckpt: activation checkpointing; cf: closed-form screen only", caption_justify="left")
-    for col, justify in (("#", "right"), ("plan", "left"), ("K/V", "left"), ("blocks", "left"),
-                         ("ckpt", "left"), ("tokens/s", "right"), ("vs base", "right"), ("step", "right"),
-                         ("peak mem", "right"), ("attn/GPU", "right"), ("exposed", "right"), ("engine", "left")):
-        table.add_column(col, justify=justify, no_wrap=col == "plan")
+    for col in ("#", "plan", "K/V", "blocks", "ckpt", "tokens/s", "vs base", "step", "peak mem",
+                "attn/GPU", "exposed", "engine"):
+        text = col in ("plan", "K/V", "blocks", "ckpt", "engine")
+        table.add_column(col, justify="left" if text else "right", no_wrap=col == "plan")
     for i, r in enumerate(found.ranked[:top], 1):
         plan = plan_of(r)
         table.add_row(str(i), plan.label() + (" (baseline)" if r is base else ""),
@@ -216,6 +217,7 @@ def _infeasible(found) -> Table:
     table.add_column("for example")
     for g in found.infeasible:
         more = f" (+{len(g.plans) - 2} more)" if len(g.plans) > 2 else ""
-        table.add_row(g.reason, str(len(g.plans)), ", ".join(g.plans[:2]) + more + f"\n[dim]{g.example}[/dim]")
+        examples = ", ".join(g.plans[:2]) + more
+        table.add_row(g.reason, str(len(g.plans)), f"{examples}\n[dim]{g.example}[/dim]")
     return table
 

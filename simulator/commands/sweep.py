@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=log, transient=args.json) as bar:
         task = bar.add_task("planning", total=len(grid))
-        df = run_sweep(grid, profile, block_size=args.block_size, engine=args.engine,
-                       on_point=lambda p: bar.update(task, advance=1,
-                                                     description=f"{p.model} {fmt_tokens(p.seq_len)} {p.gpus} GPUs"))
+        def done(p) -> None:
+            bar.update(task, advance=1, description=f"{p.model} {fmt_tokens(p.seq_len)} {p.gpus} GPUs")
+
+        df = run_sweep(grid, profile, block_size=args.block_size, engine=args.engine, on_point=done)
     files = save_table(df, out_dir) + plot_sweep(df, out_dir, profile.gpu.memory_gib)
     if args.json:
         print_json({"rows": df.astype(object).where(df.notna(), None).to_dict("records"),
@@ -79,7 +80,7 @@ def _winners(df: pd.DataFrame) -> Table:
             table.add_row(model, fmt_tokens(int(seq_len)), str(gpus), "[red]nothing feasible[/]", "", "", "")
             continue
         w = win.iloc[0]
-        speedup = f"{w.speedup_over_baseline:.2f}x" if not math.isnan(w.speedup_over_baseline) else "no baseline"
+        speedup = "no baseline" if math.isnan(w.speedup_over_baseline) else f"{w.speedup_over_baseline:.2f}x"
         table.add_row(model, fmt_tokens(int(seq_len)), str(gpus), w.plan, w.family,
                       f"{w.tokens_per_s:,.0f}", speedup)
     return table
