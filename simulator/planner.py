@@ -18,7 +18,7 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import product
 from typing import get_args
@@ -243,8 +243,8 @@ def available_cores() -> int:
 
 def _simulate_one(model: ModelSpec, profile: HardwareProfile, nodes: int, engine: str,
                   cand: Candidate) -> Result:
-    result = simulate(model, cand.workload, cand.plan, profile, nodes, engine=engine)
-    return replace(result, trace=[])  # the planner ranks; traces are for `csbp simulate --trace`
+    # the planner ranks; timelines are for `csbp simulate --trace`
+    return simulate(model, cand.workload, cand.plan, profile, nodes, engine=engine, with_trace=False)
 
 
 def simulate_all(model: ModelSpec, cands: list[Candidate], profile: HardwareProfile, nodes: int,

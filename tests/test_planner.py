@@ -18,7 +18,8 @@ TINY = load_model("tiny")  # 4 heads, 2 KV heads, dense
 WL = Workload(seq_len=4096, block_size=256)
 
 
-def fake_result(model, workload, plan: Plan, profile, nodes, engine="des", overlap=True) -> Result:
+def fake_result(model, workload, plan: Plan, profile, nodes, engine="des", overlap=True,
+                with_trace=True) -> Result:
     """A stand-in engine whose answer is known: BP and CP help, TP hurts, dp >= 8 runs out of memory,
     and the event engine sees 10 % more throughput than the closed form."""
     common = dict(model=model.name, hardware=profile.name, nodes=nodes,
