@@ -44,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def console(stderr: bool = False) -> Console:
+    """A rich console; a file or a pipe has no width, so tables get 140 columns, not 80."""
+    probe = Console(stderr=stderr)
+    return probe if probe.is_terminal else Console(stderr=stderr, width=140)
+
+
 def parse_axes(text: str) -> tuple[str, ...]:
     axes = tuple(a.strip().lower() for a in text.split(",") if a.strip())
     unknown = [a for a in axes if a not in AXES]
@@ -86,12 +92,11 @@ def run(args: argparse.Namespace) -> int:
     flags = vars(args) | {"checkpointing": args.checkpointing or "full"}
     inputs = inputs_from_args(argparse.Namespace(**flags))
     profile = load_profile(args.hardware)
-    log = Console(stderr=args.json)  # with --json, stdout holds only the JSON object
-    header = (f"Planning {inputs.model.name} at {fmt_tokens(inputs.workload.seq_len)} on {args.nodes} x "
-              f"{profile.node.gpus_per_node} {profile.gpu.name}")
+    job = (f"{inputs.model.name} at {fmt_tokens(inputs.workload.seq_len)} on {args.nodes} x "
+           f"{profile.node.gpus_per_node} {profile.gpu.name}")
     if is_default_job(args):
-        header += f" — the built-in default job ({DEFAULT_JOB}); see --help to plan another"
-    log.print(header, highlight=False)
+        job = f"the built-in default job, {DEFAULT_JOB} ({job}); see csbp plan --help for other jobs"
+    console(stderr=args.json).print(f"Planning {job}", highlight=False)  # --json: stdout is JSON only
     found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
                    **searched)
     command = None
@@ -163,28 +168,26 @@ def _why(found) -> list[str]:
 
 
 def _print(found, args: argparse.Namespace, command: str | None) -> None:
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe has no width: do not squeeze the tables to 80
-        console = Console(width=140)
+    out = console()
     rec, base = found.recommended, found.baseline
-    console.print(f"\n[bold green]Recommended[/]: [bold]{label_of(rec)}[/] ({rec.plan['kind']})",
+    out.print(f"\n[bold green]Recommended[/]: [bold]{label_of(rec)}[/] ({rec.plan['kind']})",
                   highlight=False)
-    console.print(f"  {_summary(rec)}", highlight=False)
-    console.print(f"  why: {'; '.join(_why(found))}", highlight=False)
+    out.print(f"  {_summary(rec)}", highlight=False)
+    out.print(f"  why: {'; '.join(_why(found))}", highlight=False)
     if base is not None:
-        console.print(f"[bold]Baseline[/] (best without BP): {label_of(base)} ({base.plan['kind']})",
+        out.print(f"[bold]Baseline[/] (best without BP): {label_of(base)} ({base.plan['kind']})",
                       highlight=False)
-        console.print(f"  {_summary(base)}", highlight=False)
-        console.print(f"  speedup of the recommendation: [bold]{found.speedup:.2f}x[/]", highlight=False)
+        out.print(f"  {_summary(base)}", highlight=False)
+        out.print(f"  speedup of the recommendation: [bold]{found.speedup:.2f}x[/]", highlight=False)
     else:
-        console.print("[bold]Baseline[/]: none — every plan without BP is infeasible")
-    console.print(_ranking(found, args.top))
+        out.print("[bold]Baseline[/]: none — every plan without BP is infeasible")
+    out.print(_ranking(found, args.top))
     if found.infeasible:
-        console.print(_infeasible(found))
-    console.print(f"[dim]searched {found.candidates} candidates ({found.evaluations} evaluations) "
+        out.print(_infeasible(found))
+    out.print(f"[dim]searched {found.candidates} candidates ({found.evaluations} evaluations) "
                   f"in {found.seconds:.2f} s[/dim]")
     if command:
-        console.print(f"\nplan file written to {args.out}; launch on each node with:\n  {command}",
+        out.print(f"\nplan file written to {args.out}; launch on each node with:\n  {command}",
                       highlight=False, soft_wrap=True)
 
 

@@ -7,11 +7,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 from rich import box
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from simulator.cli_args import DEFAULT_HARDWARE, DEFAULT_MODEL
+from simulator.commands.plan import console
 from simulator.planner import fmt_tokens
 from simulator.report import print_json
 
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                   split_list(args.gpus, "gpus"), profile)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = Console(stderr=True)
+    log = console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=log, transient=args.json) as bar:
         task = bar.add_task("planning", total=len(grid))
@@ -59,12 +59,10 @@ def run(args: argparse.Namespace) -> int:
         print_json({"rows": df.astype(object).where(df.notna(), None).to_dict("records"),
                     "files": [str(f) for f in files]})
         return 0
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe has no width: do not squeeze the table to 80
-        console = Console(width=140)
-    console.print(_winners(df))
+    out = console()
+    out.print(_winners(df))
     for f in files:
-        console.print(f"wrote {f}", highlight=False)
+        out.print(f"wrote {f}", highlight=False)
     return 0
 
 
