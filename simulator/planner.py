@@ -261,6 +261,12 @@ def simulate_all(model: ModelSpec, cands: list[Candidate], profile: HardwareProf
         return list(pool.map(job, cands))  # one at a time: candidate costs differ by 30x
 
 
+def cluster_gpus(profile: HardwareProfile, nodes: int) -> int:
+    if nodes < 1:
+        raise InputError(f"impossible cluster: {nodes} nodes (need at least 1)")
+    return nodes * profile.node.gpus_per_node
+
+
 def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
            axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None) -> Search:
@@ -270,10 +276,8 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     `engine="closed-form"` skips the second stage (sweeps and tests). `workers` defaults to the
     cores this process may use. Raises InputError for an impossible cluster or when nothing fits.
     """
-    if nodes < 1:
-        raise InputError(f"impossible cluster: {nodes} nodes (need at least 1)")
     start = time.perf_counter()
-    gpus = nodes * profile.node.gpus_per_node
+    gpus = cluster_gpus(profile, nodes)
     space = enumerate_space(model, workload, gpus, checkpointing, axes)
     workers = workers or available_cores()
     fitting = []
@@ -304,6 +308,8 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     infeasible = space.groups()
     if not ranked or ranked[0].engine != engine:
         summary = "; ".join(f"{g.reason} ({len(g.plans)})" for g in infeasible[:3])
+        if infeasible:
+            summary += f"; e.g. {infeasible[0].example}"
         raise InputError(f"nothing feasible for {model.name} at {fmt_tokens(workload.seq_len)} on "
                          f"{gpus} GPUs ({len(space.candidates)} candidates): {summary}")
     return Search(model, workload, profile, nodes, ranked, infeasible, len(space.candidates), evaluations,

@@ -13,7 +13,7 @@ from simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, 
 from simulator.errors import InputError
 from simulator.hardware import load_profile
 from simulator.plan import AXES
-from simulator.planner import fmt_tokens, label_of, plan_of, search
+from simulator.planner import cluster_gpus, fmt_tokens, label_of, plan_of, search
 from simulator.report import fmt_time, print_json
 from simulator.presets import PRESET_NAMES, load_model
 from simulator.result import Result
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     flags = vars(args) | {"checkpointing": args.checkpointing or "full"}
     inputs = inputs_from_args(argparse.Namespace(**flags))
     profile = load_profile(args.hardware)
+    cluster_gpus(profile, args.nodes)
     job = (f"{inputs.model.name} at {fmt_tokens(inputs.workload.seq_len)} on {args.nodes} x "
            f"{profile.node.gpus_per_node} {profile.gpu.name}")
     if is_default_job(args):
