@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN,
-                                add_cluster_args, add_workload_args, inputs_from_args)
+                                add_cluster_args, add_from_arg, add_workload_args, imported_inputs,
+                                inputs_from_args)
 from simulator.errors import InputError
 from simulator.hardware import load_profile
 from simulator.plan import AXES
@@ -17,6 +18,7 @@ from simulator.planner import cluster_gpus, fmt_tokens, label_of, plan_of, searc
 from simulator.report import fmt_time, print_json
 from simulator.presets import PRESET_NAMES, load_model
 from simulator.result import Result
+from simulator.simulate import simulate
 from simulator.workload import Workload
 
 DEFAULT_JOB = "Nemotron-Labs-Diffusion 8B at 256K on 2 x 8 H200"
@@ -41,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", metavar="PLAN_JSON", help="write the recommended plan file for "
                    "`csbp run --plan` and `torchrun -m runtime.train --plan`")
+    p.add_argument("--emit", action="append", default=[], metavar="FORMAT",
+                   help="also print the plan as turbo-dllm | megatron | torchtitan config "
+                        "(repeatable; frameworks without BP get the best plan they can express)")
+    add_from_arg(p)
     p.set_defaults(func=run)
 
 
@@ -89,13 +95,17 @@ def run(args: argparse.Namespace) -> int:
     searched = {"axes": parse_axes(args.axes), "workers": args.jobs}
     if args.checkpointing:
         searched["checkpointing"] = (args.checkpointing,)
-    flags = vars(args) | {"checkpointing": args.checkpointing or "full"}
-    inputs = inputs_from_args(argparse.Namespace(**flags))
     profile = load_profile(args.hardware)
-    cluster_gpus(profile, args.nodes)
+    world = cluster_gpus(profile, args.nodes)
+    imported = imported_inputs(args, world)
+    if imported:
+        inputs, yours = imported
+    else:
+        flags = vars(args) | {"checkpointing": args.checkpointing or "full"}
+        inputs, yours = inputs_from_args(argparse.Namespace(**flags)), None
     job = (f"{inputs.model.name} at {fmt_tokens(inputs.workload.seq_len)} on {args.nodes} x "
            f"{profile.node.gpus_per_node} {profile.gpu.name}")
-    if is_default_job(args):
+    if is_default_job(args) and not imported:
         job = f"the built-in default job, {DEFAULT_JOB} ({job}); see csbp plan --help for other jobs"
     console(stderr=args.json).print(f"Planning {job}", highlight=False)  # --json: stdout is JSON only
     found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
@@ -104,11 +114,62 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_plan_file(found, args.out, args.hardware)
         command = torchrun_command(args.nodes, profile.node.gpus_per_node, args.out)
+    your_run = simulate(inputs.model, inputs.workload, yours, profile, args.nodes,
+                        engine=args.engine, with_trace=False) if yours else None
+    emitted = emit_all(found, args.emit, args.nodes, profile.node.gpus_per_node)
     if args.json:
-        print_json(_json(found, args, command))
+        print_json(_json(found, args, command) | {
+            "your_run": _your_run_json(your_run, found.recommended),
+            "emitted": emitted})
     else:
         _print(found, args, command)
+        if your_run:
+            _print_your_run(your_run, found, args.from_run)
+        for fmt, text in emitted.items():
+            console().print(f"\n[bold]{fmt}[/]:", highlight=False)
+            print(text.rstrip())
     return 0
+
+
+def emit_all(found, formats: list[str], nodes: int, gpus_per_node: int) -> dict[str, str]:
+    """Each requested format: the recommendation, or the best plan that framework can express."""
+    from simulator.interop import FORMATS, emit
+
+    out = {}
+    for fmt in formats:
+        if fmt not in FORMATS:
+            raise InputError(f"--emit {fmt!r}: use one of {', '.join(FORMATS)}")
+        best = found.recommended if fmt == "turbo-dllm" else found.baseline
+        if best is None:
+            out[fmt] = f"# {fmt} cannot express any feasible plan here: every plan without BP is infeasible"
+            continue
+        try:
+            out[fmt] = emit(fmt, found.model.name, Workload(**best.workload), plan_of(best), nodes,
+                            gpus_per_node)
+        except InputError as err:  # e.g. a ZeRO stage or dtype the framework has no name for
+            out[fmt] = f"# {fmt} cannot express {label_of(best)}: {err}"
+    return out
+
+
+def _your_run_json(yours: Result | None, rec: Result) -> dict | None:
+    if yours is None:
+        return None
+    out = yours.to_json()
+    out["recommendation_speedup"] = rec.tokens_per_s / yours.tokens_per_s if yours.tokens_per_s else None
+    return out
+
+
+def _print_your_run(yours: Result, found, source: list[str]) -> None:
+    out = console()
+    out.print(f"\n[bold]Your run[/] ({source[0]} {source[1]}): {label_of(yours)} ({yours.plan['kind']})",
+              highlight=False)
+    if not yours.feasible:
+        out.print(f"  {yours.reason}", highlight=False)
+        return
+    out.print(f"  {_summary(yours)}", highlight=False)
+    rec = found.recommended
+    out.print(f"  the recommendation {label_of(rec)} is [bold]{rec.tokens_per_s / yours.tokens_per_s:.2f}x[/] "
+              "your run's tokens/s", highlight=False)
 
 
 def _with_speedup(r: Result, base: Result | None) -> dict:
