@@ -316,7 +316,8 @@ class _Builder:
 
     def tp_collective(self, collective: Collective, tokens=None) -> Comm | None:
         """Sequence-parallel all-gather / reduce-scatter of hidden states (tokens x hidden)."""
-        tokens = self.tokens if tokens is None else tokens
+        if tokens is None:  # every layer's: one work object (the engines price it once)
+            return self.cached(("tp", collective), lambda: self.tp_collective(collective, self.tokens))
         return self.comm(collective, tokens * self.m.hidden * self.dt * self.ring_share(self.g_tp),
                          self.g_tp, "tp")
 
@@ -343,13 +344,22 @@ class _Builder:
         share = self.lay.shares[rank]
         return normalize(share.positions + share.owned_kv)
 
-    def attention_split(self, a: AttentionSpec, pattern: str) -> list[tuple[str, np.ndarray]]:
+    def split(self, a: AttentionSpec, pattern: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """The layer kind's attention split, counted once per layout ownership: it depends only on
+        the shares, the window and the pattern, which most candidates of a search share."""
+        window = a.window if a.kind == "sliding" else None
+        key = ("attention-split", window, pattern)
+        if key not in self.lay.derived:
+            self.lay.derived[key] = self.attention_split(a, window, pattern)
+        return self.lay.derived[key]
+
+    def attention_split(self, a: AttentionSpec, window: int | None,
+                        pattern: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """(name, pairs, keys in the call) per rank, by where the keys come from.
 
         A collective transport splits the rank's own positions from the rows it receives; a ring
         splits the rest by step (the shard of the rank s places back in the ring).
         """
-        window = a.window if a.kind == "sliding" else None
         lay = self.lay
         queries = [QueryIntervals(lay, r, window) for r in range(self.n)]
         total = np.array([q.total() for q in queries], dtype=float)
@@ -439,9 +449,6 @@ class _Builder:
         x = self.add("norm-swiglu", phase, li, norm_work, x)
         x = self.ffn(li, phase, x, backward=False)
         return self.add("mlp-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
-
-    def split(self, a: AttentionSpec, pattern: str) -> list[tuple]:
-        return self.cached(("split", a, pattern), lambda: self.attention_split(a, pattern))
 
     def attend(self, li: int, a: AttentionSpec, phase: Phase, pattern: str, part: int, *deps: Deps) -> Deps:
         """Append attention of the rank's queries over one key part of the layer kind's split."""

@@ -19,7 +19,8 @@ Pure Python + numpy: no torch, no hardware.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from simulator import mask
@@ -137,21 +138,32 @@ class Layout:
     plan: Plan
     checkpointing: str = "full"
     shares: tuple[RankShare, ...] = field(init=False)
+    # work derived from the shares alone, shared by every layout that owns the same positions
+    derived: dict = field(init=False, repr=False, compare=False)
     _exchange_cache: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shares", self._build_shares())
+        shares, derived = _ownership(self)
+        object.__setattr__(self, "shares", shares)
+        object.__setattr__(self, "derived", derived)
         object.__setattr__(self, "_exchange_cache", {})
 
     @classmethod
     def build(cls, workload: Workload, plan: Plan) -> "Layout":
-        """The layout of (workload, plan); a DFlash drafter's draft blocks sit at its anchors."""
-        if workload.objective == "dflash2":
-            from simulator.objective_layout import AnchorLayout
+        """The layout of (workload, plan); a DFlash drafter's draft blocks sit at its anchors.
 
-            return AnchorLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing,
-                                anchors=workload.max_anchors)
-        return cls(workload.seq_len, workload.block_size, plan, workload.checkpointing)
+        Cached: a layout is immutable, and the planner needs each one for its memory check and
+        again for the simulation.
+        """
+        return _build(workload, plan)
+
+    def ownership_key(self) -> tuple:
+        """What `shares` depends on: the layout's own fields (sequence, block, anchors, ...) and
+        the plan's kind, cp, bp and schedule, not its dp, tp, ep, transport or checkpointing."""
+        own = tuple(getattr(self, f.name) for f in fields(self)
+                    if f.init and f.name not in ("plan", "checkpointing"))
+        p = self.plan
+        return (type(self), own, p.kind, p.cp, p.bp, p.schedule)
 
     # ---- ownership -------------------------------------------------------------------------
     @property
@@ -295,6 +307,31 @@ class Layout:
         """K/V and dK/dV rows a rank receives for one layer over forward, recompute, backward."""
         return sum(self.exchange(layer, ph).rows_received(rank)
                    for ph in ("forward", "recompute", "backward"))
+
+
+@functools.lru_cache(maxsize=512)
+def _build(workload: Workload, plan: Plan) -> Layout:
+    if workload.objective == "dflash2":
+        from simulator.objective_layout import AnchorLayout
+
+        return AnchorLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing,
+                            anchors=workload.max_anchors)
+    return Layout(workload.seq_len, workload.block_size, plan, workload.checkpointing)
+
+
+_OWNERSHIP: dict[tuple, tuple[tuple[RankShare, ...], dict]] = {}
+_OWNERSHIP_LIMIT = 512  # a search meets a few dozen; a long sweep starts over when it is full
+
+
+def _ownership(layout: Layout) -> tuple[tuple[RankShare, ...], dict]:
+    """(shares, derived) of the layout, built once per ownership key: plans that differ only in
+    dp, tp, ep, transport or checkpointing own the same positions (most of a planner search)."""
+    key = layout.ownership_key()
+    if key not in _OWNERSHIP:
+        if len(_OWNERSHIP) >= _OWNERSHIP_LIMIT:
+            _OWNERSHIP.clear()
+        _OWNERSHIP[key] = (layout._build_shares(), {})
+    return _OWNERSHIP[key]
 
 
 def kv_row_bytes(layer: AttentionSpec, dtype_bytes: int, tp: int = 1) -> int:
