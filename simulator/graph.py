@@ -264,6 +264,7 @@ class _Builder:
         self.ops: list[Op] = [] if ops is None else ops  # a sub-pass appends to its parent's ops
         self.notes: list[str] = [] if notes is None else notes
         self._cache: dict = {}
+        self._layers: dict[tuple, _LayerTemplate | None] = {}
         every = tuple(range(self.n))
         self.cp_sync = layout.cp_groups()
         self.g_tp = self._group(("tp",), tuple((r,) for r in every))
@@ -428,6 +429,22 @@ class _Builder:
                        self.per_rank(0), 1, self.per_rank(DELTA_RULE_CHUNK), False)
 
     # -- one layer ----------------------------------------------------------------------------
+    def layer(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
+        """Append layer li in `phase` (forward, recompute or backward).
+
+        Layers of one kind append the same ops, so the first is built and the rest are stamped
+        from it with shifted indices: the builder's logic runs once per kind, not once per layer.
+        """
+        key = (a, phase)
+        template = self._layers.get(key)
+        if template is not None:
+            return template.stamp(self.ops, li, x)
+        start = len(self.ops)
+        out = self.layer_backward(li, a, x) if phase == "backward" else self.layer_forward(li, a, phase, x)
+        if x and key not in self._layers:  # with no input, which ops wait for it cannot be seen
+            self._layers[key] = _LayerTemplate.record(self.ops[start:], start, x, out)
+        return out
+
     def layer_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
         c = self.cached
         norm_work = c(("norm", a), lambda: self.memory_bound(self.norm_bytes(a)))
@@ -625,7 +642,7 @@ class _Builder:
         sub = _Builder(self.m, self.w, self.p, canvas_view(self.lay), self.gpn, self.ops, self.notes)
         start = len(self.ops)
         for li, a in enumerate(self.m.layers):
-            x = sub.layer_forward(li, a, "forward", x)
+            x = sub.layer(li, a, "forward", x)
         x = sub.loss_forward(x)
         scaled: dict[int, Work] = {}
         for op in self.ops[start:]:
@@ -674,7 +691,7 @@ class _Builder:
             for li, a in enumerate(layers):
                 if zero3:  # gather layer li's parameters while layer li-1 computes
                     prefetch = self.param_gather("zero3.params", "forward", li, *self.layer_params(a), prefetch)
-                x = self.layer_forward(li, a, "forward", x + prefetch)
+                x = self.layer(li, a, "forward", x + prefetch)
             x = self.loss_forward(x)
             x = self.add("lm-head-bwd", "backward", None, self.gemm(
                 head_ratio * 2 * self.noisy * h * V / self.tp, 2 if head_ratio > 1 else 1), x)
@@ -687,8 +704,8 @@ class _Builder:
                 if zero3:
                     prefetch = self.param_gather("zero3.params", "backward", li, *self.layer_params(a), prefetch)
                 if recompute:  # rerun the layer from its checkpointed input, then backward
-                    x = self.layer_forward(li, a, "recompute", x + prefetch)
-                x = self.layer_backward(li, a, x + prefetch)
+                    x = self.layer(li, a, "recompute", x + prefetch)
+                x = self.layer(li, a, "backward", x + prefetch)
                 if last_view:
                     grads += self.grad_sync(li, *self.layer_params(a), x)
             x = self.add("fc-conditioning-bwd", "backward", None, self.conditioning(True), x)
@@ -743,6 +760,44 @@ class _Builder:
             else:
                 total += attn_x * pairs[a] * 4 * a.head_dim * a.n_heads
         return total
+
+
+Relative = tuple[bool, tuple[int, ...]]  # (after the layer's input?, after these ops of the layer)
+
+
+@dataclass(frozen=True)
+class _LayerTemplate:
+    """The ops one layer appended, with dependencies relative to its input and its first op."""
+
+    ops: tuple[tuple[str, Phase, Work, Relative], ...]
+    out: Relative
+
+    @classmethod
+    def record(cls, ops: list[Op], start: int, x: Deps, out: Deps) -> "_LayerTemplate | None":
+        """None if some op waits for only part of the input (then the layer cannot be stamped)."""
+        inputs = set(x)
+
+        def relative(deps: Deps) -> Relative | None:
+            outer = {d for d in deps if d < start}
+            inner = tuple(sorted({d - start for d in deps if d >= start}))
+            return (bool(outer), inner) if outer in (set(), inputs) else None
+
+        rel = [relative(op.deps) for op in ops] + [relative(out)]
+        if None in rel:
+            return None
+        return cls(tuple((op.name, op.phase, op.work, r) for op, r in zip(ops, rel)), rel[-1])
+
+    def stamp(self, ops: list[Op], layer: int, x: Deps) -> Deps:
+        """Append a copy for `layer` after input `x`; returns the ops that end it (as a set)."""
+        base, inputs = len(ops), tuple(sorted(set(x)))  # inputs precede every op of the layer
+
+        def absolute(rel: Relative) -> Deps:
+            after_input, inner = rel
+            return (inputs if after_input else ()) + tuple(base + o for o in inner)
+
+        for name, phase, work, rel in self.ops:
+            ops.append(Op(len(ops), name, phase, layer, work, absolute(rel)))
+        return absolute(self.out)
 
 
 def _scaled(work: Work, p: float) -> Work:
