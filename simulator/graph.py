@@ -144,6 +144,7 @@ class StepGraph:
 
 
 # ---- placement: which ranks of a group share a node --------------------------------------------
+@functools.lru_cache(maxsize=1024)
 def group_on_nodes(plan: Plan, gpus_per_node: int, axes: tuple[str, ...],
                    ctx_block: int | None = None) -> tuple[int, int]:
     """(size, fewest members on one node over all instances) of the groups spanning `axes`.
@@ -177,12 +178,12 @@ class QueryIntervals:
     """
 
     def __init__(self, layout: Layout, rank: int, window: int | None = None) -> None:
-        q = mask.span_positions(layout.shares[rank].positions)
-        b = layout.block
+        spans, b = layout.shares[rank].positions, layout.block
         if window is None:  # one representative query per (stream, block)
-            q, self.weight = np.unique(q // b, return_counts=True)
+            q, self.weight = _touched_blocks(spans, b)
             q = q * b
         else:
+            q = mask.span_positions(spans)
             self.weight = np.ones(q.size, dtype=np.int64)
         self.intervals = mask.visible_intervals(q, layout.seq_len, b, window)
 
@@ -214,6 +215,19 @@ class QueryIntervals:
 
         count = sum(np.maximum(0, below(z) - below(np.minimum(a, z))) for a, z in self.intervals)
         return int((count * self.weight).sum())
+
+
+def _touched_blocks(spans: tuple[Span, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks the spans touch, positions of the spans in each), sorted: the spans' positions
+    grouped by block without listing every position (spans are sorted and disjoint)."""
+    if not spans:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    ids = [np.arange(s // block, (e - 1) // block + 1, dtype=np.int64) for s, e in spans]
+    lo, hi = (np.repeat(ends, [len(i) for i in ids]) for ends in zip(*spans))
+    ids = np.concatenate(ids)
+    counts = np.minimum(hi, (ids + 1) * block) - np.maximum(lo, ids * block)
+    first = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]]))  # spans may share a block
+    return ids[first], np.add.reduceat(counts, first)
 
 
 def pairs_with_keys(layout: Layout, rank: int, keys: tuple[Span, ...], window: int | None = None) -> int:
@@ -793,7 +807,7 @@ class _LayerTemplate:
 
         def absolute(rel: Relative) -> Deps:
             after_input, inner = rel
-            return (inputs if after_input else ()) + tuple(base + o for o in inner)
+            return (inputs if after_input else ()) + tuple(map(base.__add__, inner))
 
         for name, phase, work, rel in self.ops:
             ops.append(Op(len(ops), name, phase, layer, work, absolute(rel)))

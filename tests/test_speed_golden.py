@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from simulator.cli_args import DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN, default_objective
+from simulator.graph import StepGraph, _LayerTemplate
 from simulator.hardware import load_profile
+from simulator.layout import Layout
 from simulator.plan import Plan
 from simulator.planner import label_of, search
 from simulator.presets import load_model
@@ -114,6 +116,18 @@ def golden() -> dict:
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_simulate_unchanged(case, golden):
     assert_close(_json(run_case(case)), golden["simulate"][case[0]], case[0])
+
+
+@pytest.mark.parametrize("name", ["gemma-ep4-csbp", "qwen35-csbp-ring", "m8-dp16-zero3"])
+def test_stamped_layers_equal_built_ones(name, monkeypatch):
+    """Layers stamped from the first of their kind are the ops the builder would have appended."""
+    _, model_name, fields, plan, hardware, *_ = next(c for c in CASES if c[0] == name)
+    model = load_model(model_name)
+    workload = Workload(**{"objective": default_objective(model), **fields})
+    layout, gpn = Layout.build(workload, plan), load_profile(hardware).node.gpus_per_node
+    stamped = StepGraph.build(model, workload, plan, layout, gpn)
+    monkeypatch.setattr(_LayerTemplate, "record", classmethod(lambda cls, *args: None))
+    assert StepGraph.build(model, workload, plan, layout, gpn) == stamped
 
 
 def test_planner_unchanged(golden):
