@@ -119,6 +119,7 @@ class StepGraph:
     model_flops: float  # FLOPs of the step's math for one context group, once, without recompute
     views: int = 1  # forward/backward passes over the sequence per step (objective)
     notes: tuple[str, ...] = field(default=())
+    _arrays: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -130,7 +131,7 @@ class StepGraph:
         out = np.zeros(self.ranks)
         for op in self.ops:
             if isinstance(op.work, Compute) and (include_recompute or op.phase != "recompute"):
-                out += op.work.flops
+                out += self._array(op.work, "flops")
         return out
 
     def received_bytes(self) -> dict[str, np.ndarray]:
@@ -139,8 +140,15 @@ class StepGraph:
         for op in self.ops:
             if isinstance(op.work, Comm):
                 out.setdefault(op.work.category, np.zeros(self.ranks))
-                out[op.work.category] += op.work.bytes
+                out[op.work.category] += self._array(op.work, "bytes")
         return out
+
+    def _array(self, work: Work, what: str) -> np.ndarray:
+        """`work.flops` or `work.bytes` as an array, converted once per shared work object."""
+        key = (id(work), what)
+        if key not in self._arrays:
+            self._arrays[key] = np.asarray(getattr(work, what), dtype=float)
+        return self._arrays[key]
 
 
 # ---- placement: which ranks of a group share a node --------------------------------------------

@@ -40,14 +40,16 @@ class Timeline:
 
 def durations(graph: StepGraph, profile: HardwareProfile) -> np.ndarray:
     """[op, rank] seconds; identical layers share work objects, so each is priced once."""
-    priced: dict[int, np.ndarray] = {}
-    out = np.zeros((len(graph.ops), graph.ranks))
+    row: dict[int, int] = {}  # id(work) -> its row in `priced`
+    priced: list[np.ndarray] = []
+    which = np.empty(len(graph.ops), dtype=np.intp)
     for op in graph.ops:
         key = id(op.work)
-        if key not in priced:
-            priced[key] = seconds(op.work, profile)
-        out[op.index] = priced[key]
-    return out
+        if key not in row:
+            row[key] = len(priced)
+            priced.append(seconds(op.work, profile))
+        which[op.index] = row[key]
+    return np.array(priced).reshape(-1, graph.ranks)[which]
 
 
 def simulate_graph(graph: StepGraph, profile: HardwareProfile, engine: str = "des",
@@ -82,10 +84,10 @@ def summarize(graph: StepGraph, timeline: Timeline, d: np.ndarray, with_trace: b
     """
     r = timeline.critical_rank
     step = timeline.step_time_s
+    starts, finishes, took = (a[:, r].tolist() for a in (timeline.start, timeline.finish, d))
     compute = [op for op in graph.ops if not isinstance(op.work, Comm)]
-    comm = sorted((op for op in graph.ops if isinstance(op.work, Comm)),
-                  key=lambda op: timeline.finish[op.index, r])
-    ends = np.array([timeline.finish[op.index, r] for op in comm])
+    comm = sorted((op for op in graph.ops if isinstance(op.work, Comm)), key=lambda op: finishes[op.index])
+    ends = np.array([finishes[op.index] for op in comm])
     phases: dict[str, float] = {}
 
     def charge(phase: str, seconds: float) -> None:
@@ -98,12 +100,12 @@ def summarize(graph: StepGraph, timeline: Timeline, d: np.ndarray, with_trace: b
 
     busy, end = 0.0, 0.0
     for op in compute:  # one stream: program order is time order
-        begin = float(timeline.start[op.index, r])
+        begin = starts[op.index]
         if begin - end > 0:
             charge(waited_for(end, begin, op.phase), begin - end)
-        charge(op.phase, float(d[op.index, r]))
-        busy += float(d[op.index, r])
-        end = float(timeline.finish[op.index, r])
+        charge(op.phase, took[op.index])
+        busy += took[op.index]
+        end = finishes[op.index]
     if step - end > 0:
         charge(waited_for(end, step, "grad-sync"), step - end)
     trace = _trace(graph, timeline) if with_trace else []
@@ -112,12 +114,11 @@ def summarize(graph: StepGraph, timeline: Timeline, d: np.ndarray, with_trace: b
 
 def _trace(graph: StepGraph, timeline: Timeline) -> list[TraceEvent]:
     events = []
+    starts, finishes = timeline.start.tolist(), timeline.finish.tolist()
     for op in graph.ops:
         category = op.work.category if isinstance(op.work, Comm) else "compute"
         name = op.name if op.layer is None else f"L{op.layer}.{op.name}"
-        for r in range(graph.ranks):
-            dur = float(timeline.finish[op.index, r] - timeline.start[op.index, r])
-            if dur > 0:
-                events.append(TraceEvent(r, op.stream, name, float(timeline.start[op.index, r]),
-                                         dur, op.phase, category))
+        for r, (begin, end) in enumerate(zip(starts[op.index], finishes[op.index])):
+            if end - begin > 0:
+                events.append(TraceEvent(r, op.stream, name, begin, end - begin, op.phase, category))
     return events

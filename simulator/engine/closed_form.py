@@ -10,6 +10,8 @@ representative ranks at once.
 
 from __future__ import annotations
 
+from functools import reduce
+
 import numpy as np
 
 from simulator.engine import Timeline
@@ -30,21 +32,31 @@ def slowest_member(values: np.ndarray, sync: tuple[tuple[int, ...], ...]) -> np.
 
 
 def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
-    start, finish = np.zeros_like(d), np.zeros_like(d)
-    clock = np.zeros(graph.ranks)
-    for op in graph.ops:
-        i = op.index
-        ready = finish[list(op.deps)].max(axis=0) if op.deps else np.zeros(graph.ranks)
-        if isinstance(op.work, Comm):
+    # Rows are kept as a list of arrays and stacked once: with a few ranks per op, numpy's per-call
+    # cost dominates, so each op does as few calls as it can.
+    start: list[np.ndarray] = []
+    finish: list[np.ndarray] = []
+    clock = idle = np.zeros(graph.ranks)
+    last = -1  # the op whose finish is the clock
+    peers: dict[int, np.ndarray] = {}  # id(work.peer) -> as an index array
+    for op, took in zip(graph.ops, d):
+        deps, work = op.deps, op.work
+        ready = reduce(np.maximum, [finish[j] for j in deps]) if deps else idle
+        if isinstance(work, Comm):
             begin = ready if overlap else np.maximum(clock, ready)
-            begin = slowest_member(begin, op.work.group.sync)
-            if op.work.peer:  # a send/recv starts once its sender is there too
-                begin = np.maximum(begin, begin[list(op.work.peer)])
-            finish[i] = begin + d[i]
+            begin = slowest_member(begin, work.group.sync)
+            if work.peer:  # a send/recv starts once its sender is there too
+                if id(work.peer) not in peers:
+                    peers[id(work.peer)] = np.array(work.peer)
+                begin = np.maximum(begin, begin[peers[id(work.peer)]])
+            end = begin + took
             if not overlap:
-                clock = finish[i]
+                clock, last = end, op.index
         else:
-            begin = np.maximum(clock, ready)
-            finish[i] = clock = begin + d[i]
-        start[i] = begin
-    return Timeline(start, finish)
+            begin = clock if deps == (last,) else np.maximum(clock, ready)  # the stream is free
+            end = clock = begin + took
+            last = op.index
+        start.append(begin)
+        finish.append(end)
+    shape = d.shape
+    return Timeline(np.array(start).reshape(shape), np.array(finish).reshape(shape))
