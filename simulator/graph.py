@@ -276,13 +276,15 @@ class _Builder:
         self.dt = workload.dtype_bytes
         self.tp = plan.tp
         L, mb = workload.seq_len, workload.micro_batch
-        self.positions = np.array([s.n_positions for s in layout.shares], dtype=float)
+        self.positions = self.derived("positions", lambda: np.array(
+            [s.n_positions for s in layout.shares], dtype=float))
         self.tokens = self.positions * mb
-        self.noisy = np.array([size(intersect(s.positions, ((0, L),))) for s in layout.shares],
-                              dtype=float) * mb
+        self.noisy = self.derived("noisy", lambda: np.array(
+            [size(intersect(s.positions, ((0, L),))) for s in layout.shares], dtype=float)) * mb
         # drafters: target-feature tokens the rank turns into K/V (keys only, not queries)
-        self.context = np.array([size(intersect(s.owned_kv, ((L, 2 * L),))) if self.obj.context_as_kv
-                                 else 0 for s in layout.shares], dtype=float) * mb
+        self.context = self.derived("context", lambda: np.array(
+            [size(intersect(s.owned_kv, ((L, 2 * L),))) for s in layout.shares], dtype=float)) * mb \
+            if self.obj.context_as_kv else np.zeros(self.n)
         self.ops: list[Op] = [] if ops is None else ops  # a sub-pass appends to its parent's ops
         self.notes: list[str] = [] if notes is None else notes
         self._cache: dict = {}
@@ -309,6 +311,13 @@ class _Builder:
             return flat
         self.ops.append(Op(len(self.ops), name, phase, layer, work, flat))
         return (len(self.ops) - 1,)
+
+    def derived(self, key, make):
+        """Counts that depend only on the layout's shares, made once per layout ownership (many
+        candidates of a search share it)."""
+        if key not in self.lay.derived:
+            self.lay.derived[key] = make()
+        return self.lay.derived[key]
 
     def cached(self, key, make):
         """Identical layers share their work objects (and the engines price each once)."""
@@ -371,10 +380,7 @@ class _Builder:
         """The layer kind's attention split, counted once per layout ownership: it depends only on
         the shares, the window and the pattern, which most candidates of a search share."""
         window = a.window if a.kind == "sliding" else None
-        key = ("attention-split", window, pattern)
-        if key not in self.lay.derived:
-            self.lay.derived[key] = self.attention_split(a, window, pattern)
-        return self.lay.derived[key]
+        return self.derived(("attention-split", window, pattern), lambda: self.attention_split(a, window, pattern))
 
     def attention_split(self, a: AttentionSpec, window: int | None,
                         pattern: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
