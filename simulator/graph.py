@@ -380,7 +380,8 @@ class _Builder:
         """The layer kind's attention split, counted once per layout ownership: it depends only on
         the shares, the window and the pattern, which most candidates of a search share."""
         window = a.window if a.kind == "sliding" else None
-        return self.derived(("attention-split", window, pattern), lambda: self.attention_split(a, window, pattern))
+        return self.derived(("attention-split", window, pattern),
+                            lambda: self.attention_split(a, window, pattern))
 
     def attention_split(self, a: AttentionSpec, window: int | None,
                         pattern: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -818,14 +819,12 @@ class _LayerTemplate:
     def stamp(self, ops: list[Op], layer: int, x: Deps) -> Deps:
         """Append a copy for `layer` after input `x`; returns the ops that end it (as a set)."""
         base, inputs = len(ops), tuple(sorted(set(x)))  # inputs precede every op of the layer
-
-        def absolute(rel: Relative) -> Deps:
-            after_input, inner = rel
-            return (inputs if after_input else ()) + tuple(map(base.__add__, inner))
-
-        for name, phase, work, rel in self.ops:
-            ops.append(Op(len(ops), name, phase, layer, work, absolute(rel)))
-        return absolute(self.out)
+        shift = base.__add__
+        ops.extend(Op(base + k, name, phase, layer, work,
+                      (inputs if after_input else ()) + tuple(map(shift, inner)))
+                   for k, (name, phase, work, (after_input, inner)) in enumerate(self.ops))
+        after_input, inner = self.out
+        return (inputs if after_input else ()) + tuple(map(shift, inner))
 
 
 def _scaled(work: Work, p: float) -> Work:
