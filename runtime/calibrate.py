@@ -38,6 +38,23 @@ KIB, MIB, GIB = 1024, 1024**2, 1024**3
 COLLECTIVE_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
 QUICK_COLLECTIVE_SIZES = (4 * KIB, 1 * MIB, 16 * MIB)
 GROUP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# Attention calls measured: (L, query counts) against all 2L keys, the sizes the validation plans
+# make (a rank's share of the 2L positions), each with three query sets (different masks).
+DENSE_CALLS = {False: ((512, (256, 512, 768, 1024)), (1024, (256, 512, 1024, 1536, 2048))),
+               True: ((512, (256, 1024)),)}
+BLOCK = 32
+# Host overhead: the validation model's layer structure at widths where arithmetic vanishes.
+TINY_SEQ = 32
+TINY_SPEC_TEXT = "the validation model's layers at hidden 32, 4 heads of 8, L = 32"
+
+
+def _tiny_spec():
+    from runtime.validate import VALIDATION_MODEL
+    from simulator.spec import AttentionSpec
+
+    layers = tuple(AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=8) for _ in VALIDATION_MODEL.layers)
+    return VALIDATION_MODEL.model_copy(update={"name": "tiny-overhead", "hidden": 32, "ffn": 32,
+                                               "vocab": 64, "layers": layers})
 
 
 @dataclass
@@ -60,6 +77,14 @@ class Measurements:
     gemm_load: dict[int, list[float]]  # processes -> FLOP/s each got
     collectives: dict[int, dict[tuple[str, int], float]]  # world -> (op, bytes) -> seconds
     notes: list[str] = field(default_factory=list)
+    # nn.Linear as the runtime trains it: (m, k, n, forward s, backward s)
+    linear: list[tuple[int, int, int, float, float]] = field(default_factory=list)
+    # the runtime's attention on BD3-LM-masked calls:
+    # (queries, keys, query set, forward s, backward s, visible fraction)
+    dense_attention: list[tuple[int, int, str, float, float, float]] = field(default_factory=list)
+    # a whole runtime step at negligible arithmetic: (seconds, step-graph kernels it runs)
+    tiny_step: tuple[float, int] | None = None
+    optimizer: tuple[int, float] | None = None  # (parameters, seconds of one AdamW step)
 
 
 # ---- collective model: the formulas the fit inverts --------------------------------------------
@@ -200,12 +225,105 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
     return link, wakeup or 0.0, {"wakeup_latency_us": wake_fig}
 
 
+def _op_overhead(m: Measurements) -> dict:
+    """Host time per step-graph kernel: a whole runtime step at negligible arithmetic (eager
+    PyTorch issues dozens of dispatched, autograd-recorded ops per kernel of the graph)."""
+    if m.tiny_step is None:
+        return _figure(_round(m.op_overhead_s * 1e6), "measured: median time of an 8-element add "
+                       "(dispatch + allocation, no arithmetic to speak of)")
+    seconds, kernels = m.tiny_step
+    return _figure(_round(seconds / kernels * 1e6), (
+        f"measured: one whole training step of the runtime (one process, {TINY_SPEC_TEXT}, full "
+        f"checkpointing, AdamW) in {seconds * 1e3:.2f} ms, over the {kernels} kernels its step "
+        f"graph counts: host time (Python, dispatch, autograd, allocation) per kernel; an "
+        f"8-element add alone takes {m.op_overhead_s * 1e6:.2f} us"))
+
+
+def _dense_curves(m: Measurements, peak: float) -> dict:
+    """Visible and masked score efficiencies of the runtime's explicit attention, by call GFLOP.
+
+    Calls of one size (queries x keys) differ only in their mask: time = visible dense FLOP /
+    (peak x e_visible) + masked dense FLOP / (peak x e_masked), solved by least squares over
+    the query sets of each size.
+    """
+    if not m.dense_attention:
+        return {}
+    import numpy as np
+
+    from runtime.validate import VALIDATION_MODEL
+
+    a = VALIDATION_MODEL.layers[0]
+    sizes = sorted({(q, k) for q, k, *_ in m.dense_attention}, key=lambda s: s[0] * s[1])
+    curves: dict[tuple[str, str], list] = {}
+    for backward, direction in ((False, "forward"), (True, "backward")):
+        for q, k in sizes:
+            rows = [r for r in m.dense_attention if (r[0], r[1]) == (q, k)]
+            dense = 4.0 * q * k * a.head_dim * a.n_heads * (2.5 if backward else 1.0)
+            A = np.array([[frac * dense, (1 - frac) * dense] for *_, frac in rows])
+            t = np.array([r[4] if backward else r[3] for r in rows])
+            (cv, cm), *_ = np.linalg.lstsq(A, t, rcond=None)
+            if cv <= 0 or cm <= 0:  # masks too alike to separate: one price for both
+                cv = cm = float(t.sum() / A.sum())
+            curves.setdefault(("visible", direction), []).append((dense / 1e9, 1 / (cv * peak)))
+            curves.setdefault(("masked", direction), []).append((dense / 1e9, 1 / (cm * peak)))
+    shapes = ", ".join(f"{q}x{k}" for q, k in sizes)
+    out = {}
+    for (kind, direction), pts in curves.items():
+        by_x: dict[float, list[float]] = {}
+        for x, y in pts:  # shapes of one size (512 x 2048, 1024 x 1024): one point
+            by_x.setdefault(_round(x), []).append(y)
+        out[f"dense_{kind}_{direction}_efficiency"] = _figure(
+            [[x, _round(min(1.0, max(1e-4, statistics.mean(ys))))] for x, ys in sorted(by_x.items())], (
+                f"measured: the runtime's attention_with_lse {direction} "
+                f"({'autograd, as a training step runs it' if direction == 'backward' else 'recording autograd'}) "
+                f"on BD3-LM-masked calls of queries x keys {shapes} (L = keys / 2, block {BLOCK}), three "
+                "query sets per size (spread, early blocks, late blocks: different visible shares); per "
+                "size, least squares of time = visible / (peak x e_visible) + masked / (peak x "
+                "e_masked) over dense FLOP (4 x q x k x head_dim x heads"
+                f"{', x 2.5 backward' if direction == 'backward' else ''}); {kind} scores"
+                f"{' (-inf: exp leaves its vectorised fast path)' if kind == 'masked' else ''}"))
+    return out
+
+
+def dense_attention_check(profile: HardwareProfile, m: Measurements) -> list[dict]:
+    """Every measured attention call vs the visible/masked pricing (the mechanism's check)."""
+    from runtime.validate import VALIDATION_MODEL
+
+    a = VALIDATION_MODEL.layers[0]
+    rows = []
+    for queries, keys, where, tf, tb, frac in m.dense_attention:
+        dense = 4.0 * queries * keys * a.head_dim * a.n_heads
+        for backward, measured in ((False, tf), (True, tb)):
+            x = dense * (2.5 if backward else 1.0)
+            predicted = profile.dense_attention_seconds(frac * x, x, 1, backward)
+            if predicted is None:
+                continue
+            rows.append({"queries": queries, "keys": keys, "queries_from": where, "visible": frac,
+                         "backward": backward, "measured_s": measured, "predicted_s": predicted,
+                         "error": predicted / measured - 1})
+    return rows
+
+
 def fit_profile(m: Measurements, name: str) -> dict:
     """The profile (YAML form, every figure with its source) that these measurements imply."""
     rates = [(2 * mm * k * n / 1e9, 2 * mm * k * n / s) for mm, k, n, s in m.gemm]
     peak = max(r for _, r in rates)
     best = max(m.gemm, key=lambda g: 2 * g[0] * g[1] * g[2] / g[3])
     rank = f"fp32, {m.threads} thread{'s' if m.threads > 1 else ''} per rank"
+    if m.linear:  # training with full recompute: each projection forward twice, backward once
+        mix = [(2 * mm * k * n / 1e9, 4 * (2 * mm * k * n) / (2 * tf + tb) / peak)
+               for mm, k, n, tf, tb in m.linear]
+        gemm_source = (f"measured: {len(mix)} nn.Linear layers at the model's projection shapes "
+                       "(tokens x hidden x width) as the runtime trains them under full "
+                       "checkpointing (forward twice, autograd backward once: 4 x 2mkn FLOP over "
+                       "2 forward + 1 backward time) / peak, by GFLOP of one GEMM, median per "
+                       "third of a decade; backward GEMMs (transposed operands, .grad "
+                       "accumulation) reach ~0.7 of the forward rate")
+    else:
+        mix = [(g, r / peak) for g, r in rates]
+        gemm_source = (f"measured: rate / peak of {len(rates)} fp32 GEMMs at the model's "
+                       "projection shapes (tokens x hidden x width), median per third of a "
+                       "decade of GFLOP")
     fwd = [(tile, flop / s / peak) for tile, _, bwd, flop, s in m.attention if not bwd]
     bwd = [(tile, flop / s / peak) for tile, _, b, flop, s in m.attention if b]
     head_dims = sorted({hd for _, hd, *_ in m.attention})
@@ -242,10 +360,7 @@ def fit_profile(m: Measurements, name: str) -> dict:
                                       f"{m.elementwise[0] // 3 // MIB} MiB tensors (3 tensors moved, "
                                       f"fresh output allocated) reaches {elem_gbs:.2f} GB/s of the copy "
                                       f"bandwidth {copy_gbs:.2f} GB/s"),
-            "gemm_efficiency": _figure(efficiency_curve([(g, r / peak) for g, r in rates]),
-                                       f"measured: rate / peak of {len(rates)} fp32 GEMMs at the model's "
-                                       "projection shapes (tokens x hidden x width), median per third "
-                                       "of a decade of GFLOP"),
+            "gemm_efficiency": _figure(efficiency_curve(mix), gemm_source),
             "attention_forward_efficiency": _figure(
                 efficiency_curve(fwd), f"measured: the runtime's CPU attention (explicit masked "
                 f"math) forward, FLOP 4 x q x k x head_dim x heads per tile / time / peak, tiles "
@@ -259,8 +374,8 @@ def fit_profile(m: Measurements, name: str) -> dict:
                 "every score either way, so the mask adds work, never removes it)"),
             "dense_attention": _figure(True, "runtime/attention.py on CPU: attention_with_lse "
                                        "computes the whole queries x keys score matrix and masks it"),
-            "op_overhead_us": _figure(_round(m.op_overhead_s * 1e6), "measured: median time of an "
-                                      "8-element add (dispatch + allocation, no arithmetic to speak of)"),
+            "op_overhead_us": _op_overhead(m),
+            **_dense_curves(m, peak),
         },
         "node": {
             "gpus_per_node": _figure(4, "ranks per host csbp validate runs (world sizes 2 and 4); "
@@ -334,15 +449,23 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     step("GEMMs")
     gemm = [(m, k, n, mb.gemm_seconds(m, k, n, torch.float32, budget))
             for m, k, n in gemm_shapes(spec.hidden, widths, tokens)]
+    linear = [(m, hidden, width, *mb.linear_seconds(m, hidden, width, budget))
+              for m in tokens if m <= 4096 for hidden, width in
+              sorted({(spec.hidden, w) for w in widths} | {(w, spec.hidden) for w in widths})]
     step("attention tiles")
     tiles = (128, 512, 2048) if quick else (128, 256, 512, 1024, 2048, 4096)
-    attention = mb.attention_points(spec, tiles, budget)
+    attention = mb.attention_points(spec, tiles[:-1] if not quick else tiles, budget)
     masked = mb.masked_tile_seconds(spec, 1024, 64, budget)
+    dense = [(q, 2 * L, where, *mb.bd3lm_call_seconds(spec, L, BLOCK, q, where, budget))
+             for L, queries in DENSE_CALLS[quick] for q in queries for where in mb.BD3LM_QUERY_SETS]
     step("memory-bound ops")
     copy_bytes = 64 * MIB
     copy = (2 * copy_bytes, mb.copy_seconds(copy_bytes, budget))
-    elementwise = (3 * copy_bytes, mb.silu_mul_seconds(copy_bytes, budget))
+    act = 2048 * spec.ffn * 4  # SwiGLU's product at the largest rank's activations (fp32)
+    elementwise = (3 * act, mb.silu_mul_seconds(act, budget))
     overhead = mb.op_overhead_seconds()
+    tiny = mb.tiny_step_seconds(_tiny_spec(), TINY_SEQ, TINY_SEQ, steps=10 if quick else 30)
+    optimizer = mb.optimizer_seconds(spec)
     step("core sharing")
     seconds = 0.3 if quick else 1.0
     gemm_load, rss = {}, 0
@@ -361,8 +484,21 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
         load=f"{load_before} -> {_loadavg()}", threads=threads, memory_bytes=_mem_total(),
         baseline_rss_bytes=rss, gemm=gemm, attention=attention, masked_attention=masked,
         copy=copy, elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
-        collectives=collectives,
+        collectives=collectives, linear=linear, dense_attention=dense,
+        tiny_step=(tiny, step_kernels(_tiny_spec(), TINY_SEQ)), optimizer=optimizer,
         notes=["Quick calibration: fewer sizes and repeats."] if quick else [])
+
+
+def step_kernels(spec, seq_len: int) -> int:
+    """Kernels of one step of `spec` in the step graph (one process, full checkpointing)."""
+    from simulator.graph import Compute, StepGraph
+    from simulator.layout import Layout
+    from simulator.plan import Plan
+    from simulator.workload import Workload
+
+    w = Workload(seq_len=seq_len, block_size=seq_len, dtype="fp32", zero_stage=0)
+    graph = StepGraph.build(spec, w, Plan(), Layout.build(w, Plan()), 1)
+    return sum(op.work.kernels for op in graph.ops if isinstance(op.work, Compute))
 
 
 def residuals(profile: HardwareProfile, m: Measurements) -> list[dict]:
@@ -416,7 +552,12 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(str(out))
     rows = residuals(profile, m)
     errors = sorted(abs(r["error"]) for r in rows)
+    check = dense_attention_check(profile, m)
     summary = {"profile": str(out), "name": args.name, "host": m.host, "date": m.date, "load": m.load,
+               "attention_fit_median_abs_error": statistics.median(abs(r["error"]) for r in check)
+               if check else None,
+               "attention_fit_max_abs_error": max(abs(r["error"]) for r in check) if check else None,
+               "attention_fit": check,
                "peak_tflops": profile.gpu.peak_tflops, "cores": profile.node.cores,
                "collective_fit_median_abs_error": statistics.median(errors),
                "collective_fit_max_abs_error": errors[-1], "collective_fit": rows}

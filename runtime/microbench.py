@@ -78,11 +78,13 @@ def _tile(spec, tile: int):
     return q, k, v, a.head_dim ** -0.5
 
 
-def attention_tile_seconds(spec, tile: int, allowed: torch.Tensor, budget_s: float) -> tuple[float, float]:
+def attention_tile_seconds(spec, tile: int, allowed: torch.Tensor, budget_s: float,
+                           grad_forward: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of the runtime's attention on one tile x tile block.
 
-    Forward is `attention_with_lse` as the runtime calls it; backward is autograd through it
-    (what a training step runs), timed as forward + backward minus forward.
+    Forward is `attention_with_lse` as the runtime calls it (`grad_forward`: recording autograd,
+    as a training step does); backward is autograd through it, timed as forward + backward minus
+    forward.
     """
     from runtime.attention import attention_with_lse
 
@@ -93,7 +95,7 @@ def attention_tile_seconds(spec, tile: int, allowed: torch.Tensor, budget_s: flo
         out, _ = attention_with_lse(q, k, v, allowed, scale)
         out.sum().backward()
 
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad_forward):
         t_fwd = median_time(fwd, repeats_for(median_time(fwd, 1), budget_s / 3))
     t_both = median_time(both, repeats_for(median_time(both, 1), budget_s))
     return t_fwd, max(t_both - t_fwd, 1e-9)
@@ -119,6 +121,102 @@ def masked_tile_seconds(spec, tile: int, block: int, budget_s: float) -> tuple[f
     masked = visible(pos[:, None], pos[None, :], tile // 2, block)
     full = torch.ones(tile, tile, dtype=torch.bool)
     return tuple(sum(attention_tile_seconds(spec, tile, m, budget_s)) for m in (full, masked))
+
+
+def linear_seconds(m: int, k: int, n: int, budget_s: float = 0.3) -> tuple[float, float]:
+    """(forward, backward) seconds of one `nn.Linear(k, n)` on m tokens, as the runtime trains it.
+
+    Backward is autograd's input and weight gradients (two GEMMs, transposed operands, the
+    weight gradient accumulated into .grad), timed as forward + backward minus forward.
+    """
+    lin = torch.nn.Linear(k, n, bias=False)
+    x = torch.randn(m, k, requires_grad=True)
+    fwd = lambda: lin(x)  # noqa: E731
+
+    def both() -> None:
+        lin(x).sum().backward()
+
+    t_fwd = median_time(fwd, repeats_for(median_time(fwd, 1), budget_s / 3))
+    t_both = median_time(both, repeats_for(median_time(both, 1), budget_s))
+    return t_fwd, max(t_both - t_fwd, 1e-9)
+
+
+def dense_attention_points(spec, tiles: Sequence[int], budget_s: float) -> list[tuple]:
+    """(tile, visible, backward, dense FLOP, seconds) of the runtime's attention on square tiles
+    whose scores are all visible and all masked: the two prices of a dense score."""
+    a = spec.layers[0]
+    out = []
+    for tile in tiles:
+        flop = attention_flop(tile, tile, a.head_dim, a.n_heads)
+        for visible in (True, False):
+            allowed = torch.full((tile, tile), visible, dtype=torch.bool)
+            fwd, bwd = attention_tile_seconds(spec, tile, allowed, budget_s, grad_forward=True)
+            out += [(tile, visible, False, flop, fwd), (tile, visible, True, 2.5 * flop, bwd)]
+    return out
+
+
+BD3LM_QUERY_SETS = ("spread", "early", "late")
+
+
+def bd3lm_call_seconds(spec, seq_len: int, block: int, queries: int, where: str,
+                       budget_s: float) -> tuple[float, float, float]:
+    """(forward s, backward s, visible fraction) of one call of the runtime's attention as a rank
+    makes it: `queries` positions of the 2L sequence against all 2L keys under the BD3-LM mask.
+
+    `where` picks the queries: spread over the whole sequence, or the first or last half of the
+    blocks of both halves, so calls of one size differ in how many of their scores are visible. Forward records
+    autograd (as a training step does); backward is autograd through it, timed as forward +
+    backward minus forward.
+    """
+    from runtime.attention import attention_with_lse
+    from simulator.mask import visible
+
+    a = spec.layers[0]
+    g = a.n_heads // a.n_kv_heads
+    keys = torch.arange(2 * seq_len)
+    half = torch.linspace(0, seq_len // 2 - 1, queries // 2).round().long()
+    pos = {"spread": torch.linspace(0, 2 * seq_len - 1, queries).round().long(),
+           "early": torch.cat([half, half + seq_len]),  # first blocks: few visible keys
+           "late": torch.cat([half + seq_len // 2, half + seq_len + seq_len // 2])}[where]
+    allowed = visible(pos[:, None], keys[None, :], seq_len, block)
+    q = torch.randn(1, a.n_kv_heads, g, queries, a.head_dim, requires_grad=True)
+    k = torch.randn(1, a.n_kv_heads, 2 * seq_len, a.head_dim, requires_grad=True)
+    v = torch.randn(1, a.n_kv_heads, 2 * seq_len, a.head_dim, requires_grad=True)
+    scale = a.head_dim ** -0.5
+    fwd = lambda: attention_with_lse(q, k, v, allowed, scale)  # noqa: E731
+
+    def both() -> None:
+        out, _ = attention_with_lse(q, k, v, allowed, scale)
+        out.sum().backward()
+
+    t_fwd = median_time(fwd, repeats_for(median_time(fwd, 1), budget_s / 2, lo=5))
+    t_both = median_time(both, repeats_for(median_time(both, 1), budget_s, lo=5))
+    return t_fwd, max(t_both - t_fwd, 1e-9), float(allowed.float().mean())
+
+
+def tiny_step_seconds(spec, seq_len: int, block: int, steps: int = 20) -> float:
+    """Median seconds of one whole training step of the runtime (one process, all positions) at a
+    context so short that arithmetic is negligible: the host overhead (Python, dispatch,
+    autograd, allocation) of the step's ops."""
+    from runtime.train import Job, Trainer
+    from simulator.plan import Plan
+    from simulator.workload import Workload
+
+    job = Job(spec, Workload(seq_len=seq_len, block_size=block, dtype="fp32", zero_stage=0), Plan())
+    trainer = Trainer(job, 0, torch.device("cpu"))
+    return median_time(lambda: trainer.step(0), steps, warmup=3)
+
+
+def optimizer_seconds(spec, repeats: int = 10) -> tuple[int, float]:
+    """(parameters, seconds) of one replicated AdamW step over the runtime's model, as it trains."""
+    from runtime.model import BlockDiffusionLM
+    from runtime.train import LEARNING_RATE
+
+    model = BlockDiffusionLM(spec)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    return sum(p.numel() for p in model.parameters()), median_time(opt.step, repeats, warmup=2)
 
 
 def op_overhead_seconds(repeats: int = 2000) -> float:

@@ -32,14 +32,19 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
         busy = flops / (gpu.peak_tflops * 1e12 * eff)
     else:
         backward = work.kind == "attention-bwd"
+        dense = [profile.dense_attention_seconds(f, d, work.kernels, backward)
+                 for f, d in zip(flops, work.dense_flops)] if gpu.dense_attention else []
         if gpu.dense_attention and work.dense_flops:  # explicit math scores the whole rectangle
             flops = np.asarray(work.dense_flops)
         eff = np.array([profile.attention_efficiency(t, backward, work.masked) if t else 1.0
                         for t in work.tile_len])
         busy = flops / (gpu.peak_tflops * 1e12 * eff)
-    busy = busy / profile.node.core_share(profile.node.gpus_per_node)
+        if dense and all(s is not None for s in dense):  # measured per visible / masked score
+            busy = np.array(dense)
     overhead = (gpu.op_overhead_us or 0.0) * US * work.kernels
-    return np.where((flops > 0) | (nbytes > 0), busy + overhead, 0.0)
+    # host overhead is CPU time too: ranks sharing cores slow it down like arithmetic
+    share = profile.node.core_share(profile.node.gpus_per_node)
+    return np.where((flops > 0) | (nbytes > 0), (busy + overhead) / share, 0.0)
 
 
 def ring_seconds(op: CollectiveOp, recv_bytes: float, group: Group, profile: HardwareProfile) -> float:

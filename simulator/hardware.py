@@ -46,6 +46,8 @@ _X = Annotated[float, Field(gt=0, strict=True)]
 _Y = Annotated[float, Field(gt=0, le=1, strict=True)]
 Curve = Annotated[tuple[tuple[_X, _Y], ...], Field(min_length=1), AfterValidator(_increasing), FIGURE]
 OptionalPositive = Annotated[float | None, Field(gt=0, strict=True), FIGURE]
+OptionalCurve = Annotated[tuple[tuple[_X, _Y], ...] | None, Field(min_length=1),
+                          AfterValidator(lambda c: c if c is None else _increasing(c)), FIGURE]
 
 CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv"]
 
@@ -87,11 +89,26 @@ class GPU(BaseModel):
     # True: attention computes every score of the queries x keys a rank holds, masked or not
     # (explicit math on CPU), so its work is that rectangle, not the mask's pairs
     dense_attention: Annotated[bool, Field(strict=True), FIGURE] = False
+    # Dense attention (CPU): fraction of peak the runtime's explicit attention reaches on the
+    # scores it computes, by GFLOP of the call's whole queries x keys rectangle (4 x q x k x
+    # head_dim x heads forward, 2.5x that backward): visible scores, and masked ones (their exp
+    # takes the slow path for -inf). None = price dense attention with the tile curves.
+    dense_visible_forward_efficiency: OptionalCurve = None
+    dense_visible_backward_efficiency: OptionalCurve = None
+    dense_masked_forward_efficiency: OptionalCurve = None
+    dense_masked_backward_efficiency: OptionalCurve = None
 
     @model_validator(mode="after")
     def _fits(self) -> "GPU":
         if self.reserved_gib >= self.memory_gib:
             raise ValueError(f"reserved_gib={self.reserved_gib} leaves no memory of {self.memory_gib} GiB")
+        return self
+
+    @model_validator(mode="after")
+    def _dense_curves_together(self) -> "GPU":
+        curves = [getattr(self, f) for f in DENSE_CURVES]
+        if any(c is None for c in curves) and any(c is not None for c in curves):
+            raise ValueError(f"give all of {', '.join(DENSE_CURVES)} or none")
         return self
 
     @property
@@ -100,12 +117,19 @@ class GPU(BaseModel):
         return self.memory_gib - self.reserved_gib
 
 
+DENSE_CURVES = ("dense_visible_forward_efficiency", "dense_visible_backward_efficiency",
+                "dense_masked_forward_efficiency", "dense_masked_backward_efficiency")
+
+
+MAX_GPUS_PER_NODE = 128  # an NVL72 rack as one node fits; the planner enumerates GPU counts
+
+
 class Node(BaseModel):
     """One host. `cores` and `wakeup_latency_us` describe CPU hosts whose ranks share cores."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    gpus_per_node: Count
+    gpus_per_node: Annotated[int, Field(gt=0, le=MAX_GPUS_PER_NODE, strict=True), FIGURE]
     cores: OptionalPositive = None  # ranks that run at full speed at once; None = one device each
     wakeup_latency_us: OptionalPositive = None  # added per collective call when ranks > cores
 
@@ -195,6 +219,26 @@ class HardwareProfile(BaseModel):
         factor = gpu.masked_attention_efficiency_factor if masked else 1.0
         return interpolate(curve, tile_len) * factor
 
+    def dense_attention_seconds(self, flops: float, dense_flops: float, calls: int,
+                                backward: bool) -> float | None:
+        """Seconds of explicit (dense) attention on one core, or None without dense curves.
+
+        The call scores its whole queries x keys rectangle (`dense_flops`); the visible share
+        (`flops`, the mask's pairs) and the masked rest are priced at their own measured
+        efficiencies, read at the size of one call (the score matrix outgrows the caches).
+        """
+        gpu = self.gpu
+        if gpu.dense_visible_forward_efficiency is None or dense_flops <= 0:
+            return None
+        x = dense_flops / max(calls, 1) / 1e9
+        visible = min(flops, dense_flops)
+        if backward:
+            vis, masked = gpu.dense_visible_backward_efficiency, gpu.dense_masked_backward_efficiency
+        else:
+            vis, masked = gpu.dense_visible_forward_efficiency, gpu.dense_masked_forward_efficiency
+        peak = gpu.peak_tflops * 1e12
+        return visible / (peak * interpolate(vis, x)) + (dense_flops - visible) / (peak * interpolate(masked, x))
+
     def on_one_host(self, ranks: int) -> "HardwareProfile":
         """The same hardware with all `ranks` on one node (a CPU host running that many ranks)."""
         return self.model_copy(update={"node": self.node.model_copy(update={"gpus_per_node": ranks})})
@@ -260,6 +304,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         raise InputError(f"{path}: malformed YAML: {' '.join(str(err).split())}") from None
     except OSError as err:
         raise InputError(f"{path}: cannot read: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a text file") from None
     if not isinstance(raw, dict):
         raise InputError(f"{path}: a hardware profile must be a YAML mapping")
     try:

@@ -146,3 +146,40 @@ def test_gpu_script_writes_a_loadable_profile(tmp_path):
     assert p.kind == "measured" and p.gpu.hbm_gbs == 4000.0 and p.gpu.op_overhead_us == 3.0
     assert p.links == load_profile("h200").links  # one GPU: fabric from the datasheet
     assert json.loads(json.dumps(p.sources))  # plain strings
+
+
+def _dense_rows(e_visible: float, e_masked: float, peak: float) -> list[tuple]:
+    """Attention calls priced by known visible / masked efficiencies (three masks per size)."""
+    from runtime.validate import VALIDATION_MODEL
+
+    a = VALIDATION_MODEL.layers[0]
+    rows = []
+    for q, k in ((256, 1024), (512, 1024), (1024, 2048)):
+        dense = 4.0 * q * k * a.head_dim * a.n_heads
+        for where, frac in (("spread", 0.27), ("early", 0.1), ("late", 0.45)):
+            t = [frac * x / (peak * e_visible) + (1 - frac) * x / (peak * e_masked)
+                 for x in (dense, 2.5 * dense)]
+            rows.append((q, k, where, t[0], t[1], frac))
+    return rows
+
+
+def test_dense_attention_fit_separates_visible_and_masked_scores():
+    m = _measurements()
+    m.dense_attention = _dense_rows(0.3, 0.1, 0.1e12)  # peak of the synthetic GEMMs: 100 GFLOP/s
+    p = HardwareProfile.model_validate(cal.fit_profile(m, "synthetic"))
+    for field in ("dense_visible_forward_efficiency", "dense_visible_backward_efficiency"):
+        assert all(y == pytest.approx(0.3, rel=1e-3) for _, y in getattr(p.gpu, field))
+    for field in ("dense_masked_forward_efficiency", "dense_masked_backward_efficiency"):
+        assert all(y == pytest.approx(0.1, rel=1e-3) for _, y in getattr(p.gpu, field))
+    assert max(abs(r["error"]) for r in cal.dense_attention_check(p, m)) < 1e-3
+
+
+def test_linear_and_tiny_step_figures():
+    m = _measurements()
+    m.linear = [(512, 256, 768, 2 * 512 * 256 * 768 / 50e9, 2 * 2 * 512 * 256 * 768 / 25e9)]
+    m.tiny_step = (0.012, 60)
+    p = HardwareProfile.model_validate(cal.fit_profile(m, "synthetic"))
+    # two forwards (F each at 50 GFLOP/s) and one backward (2F at 25): 4F in 3F / 25e9 s
+    assert p.gpu.gemm_efficiency[0][1] == pytest.approx(1 / 3, rel=1e-3)
+    assert p.gpu.op_overhead_us == pytest.approx(200.0)
+    assert "kernels" in p.sources["gpu.op_overhead_us"]

@@ -162,3 +162,54 @@ def test_profile_is_frozen():
     with pytest.raises(ValueError):
         p.gpu.peak_tflops = 1.0  # type: ignore[misc]
     assert isinstance(p, HardwareProfile)
+
+
+def _with_dense(**gpu_overrides):
+    import yaml as _yaml
+
+    raw = _yaml.safe_load((PROFILE_DIR / "h100.yaml").read_text())
+    curve = {"value": [[0.1, 0.5], [10.0, 0.25]], "source": "test"}
+    for f in ("dense_visible_forward_efficiency", "dense_visible_backward_efficiency"):
+        raw["gpu"][f] = curve
+    for f in ("dense_masked_forward_efficiency", "dense_masked_backward_efficiency"):
+        raw["gpu"][f] = {"value": [[0.1, 0.1], [10.0, 0.05]], "source": "test"}
+    raw["gpu"]["dense_attention"] = {"value": True, "source": "test"}
+    raw["gpu"].update(gpu_overrides)
+    return raw
+
+
+def test_dense_attention_prices_visible_and_masked_scores():
+    from simulator.hardware import HardwareProfile
+
+    p = HardwareProfile.model_validate(_with_dense())
+    peak = p.gpu.peak_tflops * 1e12
+    x = 1e9  # one GFLOP call: on the curves' log-linear middle
+    vis = 0.5 + (0.25 - 0.5) * 0.5
+    mask = 0.1 + (0.05 - 0.1) * 0.5
+    assert p.dense_attention_seconds(0.25 * x, x, 1, False) == pytest.approx(
+        0.25 * x / (peak * vis) + 0.75 * x / (peak * mask))
+    assert p.dense_attention_seconds(x, x, 1, True) == pytest.approx(x / (peak * vis))
+    assert load_profile("h100").dense_attention_seconds(x, x, 1, False) is None
+
+
+def test_dense_curves_come_all_or_none():
+    from simulator.hardware import HardwareProfile
+
+    raw = _with_dense()
+    del raw["gpu"]["dense_masked_backward_efficiency"]
+    with pytest.raises(Exception, match="give all of"):
+        HardwareProfile.model_validate(raw)
+
+
+def test_host_overhead_shares_cores_like_arithmetic():
+    from simulator.cost import compute_seconds
+    from simulator.graph import Compute
+    from simulator.hardware import HardwareProfile
+
+    raw = _with_dense()
+    raw["gpu"]["op_overhead_us"] = {"value": 100.0, "source": "test"}
+    raw["node"]["cores"] = {"value": 2.0, "source": "test"}
+    p = HardwareProfile.model_validate(raw)
+    work = Compute("elementwise", (0.0,), (1e3,), kernels=10)
+    alone, shared = (float(compute_seconds(work, p.on_one_host(n))[0]) for n in (2, 4))
+    assert shared == pytest.approx(2 * alone) and alone > 10 * 100e-6
