@@ -23,6 +23,7 @@ import numpy as np
 
 from simulator import mask
 from simulator.layout import Layout, kv_row_bytes
+from simulator.layout import clear_caches as clear_layout_caches
 from simulator.objective_layout import anchor_blocks, canvas_view
 from simulator.objectives import ObjectiveShape, objective_shape
 from simulator.plan import Plan
@@ -152,7 +153,6 @@ class StepGraph:
 
 
 # ---- placement: which ranks of a group share a node --------------------------------------------
-@functools.lru_cache(maxsize=1024)
 def group_on_nodes(plan: Plan, gpus_per_node: int, axes: tuple[str, ...],
                    ctx_block: int | None = None) -> tuple[int, int]:
     """(size, fewest members on one node over all instances) of the groups spanning `axes`.
@@ -160,8 +160,16 @@ def group_on_nodes(plan: Plan, gpus_per_node: int, axes: tuple[str, ...],
     Global ranks follow `plan.placement`, innermost axis first. `ctx_block` splits the context
     axis into consecutive sub-groups of that size (the cp groups of CSBP).
     """
-    dims = {"tp": plan.tp, "ctx": plan.ctx, "ep": plan.ep, "dp": plan.dp}
-    order = plan.placement.split(",")
+    return _placed_group((plan.tp, plan.ctx, plan.ep, plan.dp), plan.placement, gpus_per_node,
+                         axes, ctx_block)
+
+
+@functools.lru_cache(maxsize=1024)
+def _placed_group(degrees: tuple[int, ...], placement: str, gpus_per_node: int,
+                  axes: tuple[str, ...], ctx_block: int | None) -> tuple[int, int]:
+    """`group_on_nodes` from the degrees alone: plans differing in transport or schedule share it."""
+    dims = dict(zip(("tp", "ctx", "ep", "dp"), degrees))
+    order = placement.split(",")
     coords = np.indices([dims[a] for a in order]).reshape(len(order), -1)
     strides = np.cumprod([1] + [dims[a] for a in order[:-1]])
     node = (strides[:, None] * coords).sum(axis=0) // gpus_per_node
@@ -185,15 +193,19 @@ class QueryIntervals:
     so they are kept once with a weight; counting keys inside them is then cheap per key set.
     """
 
-    def __init__(self, layout: Layout, rank: int, window: int | None = None) -> None:
-        spans, b = layout.shares[rank].positions, layout.block
+    def __init__(self, queries: tuple[Span, ...], seq_len: int, block: int,
+                 window: int | None = None) -> None:
         if window is None:  # one representative query per (stream, block)
-            q, self.weight = _touched_blocks(spans, b)
-            q = q * b
+            q, self.weight = _touched_blocks(queries, block)
+            q = q * block
         else:
-            q = mask.span_positions(spans)
+            q = mask.span_positions(queries)
             self.weight = np.ones(q.size, dtype=np.int64)
-        self.intervals = mask.visible_intervals(q, layout.seq_len, b, window)
+        self.intervals = mask.visible_intervals(q, seq_len, block, window)
+
+    @classmethod
+    def of(cls, layout: Layout, rank: int, window: int | None = None) -> "QueryIntervals":
+        return cls(layout.shares[rank].positions, layout.seq_len, layout.block, window)
 
     def total(self) -> int:
         """Every pair of the rank's queries (the mask's count, at one query per block)."""
@@ -240,12 +252,12 @@ def _touched_blocks(spans: tuple[Span, ...], block: int) -> tuple[np.ndarray, np
 
 def pairs_with_keys(layout: Layout, rank: int, keys: tuple[Span, ...], window: int | None = None) -> int:
     """Pairs of the rank's queries whose key lies in `keys`."""
-    return QueryIntervals(layout, rank, window).pairs_with(keys)
+    return QueryIntervals.of(layout, rank, window).pairs_with(keys)
 
 
 @functools.lru_cache(maxsize=64)
 def _sequence_pairs(seq_len: int, block: int, window: int | None) -> int:
-    return mask.pairs(((0, 2 * seq_len),), seq_len, block, window)
+    return QueryIntervals(((0, 2 * seq_len),), seq_len, block, window).total()  # = mask.pairs
 
 
 def delta_rule_flops_per_token(head_dim_k: int, head_dim_v: int, chunk: int = DELTA_RULE_CHUNK) -> float:
@@ -391,7 +403,7 @@ class _Builder:
         splits the rest by step (the shard of the rank s places back in the ring).
         """
         lay = self.lay
-        queries = [QueryIntervals(lay, r, window) for r in range(self.n)]
+        queries = [QueryIntervals.of(lay, r, window) for r in range(self.n)]
         total = np.array([q.total() for q in queries], dtype=float)
         if pattern == "none":
             return [("attn", total, self.positions)]
@@ -425,9 +437,10 @@ class _Builder:
         """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank."""
         exchange = self.lay.exchange(a, phase)
         transfers = exchange.steps[step].transfers
-        rows = np.array([sum(t.n_rows for t in transfers
-                             if t.dst == r and (payload is None or t.payload == payload))
-                         for r in range(self.n)], dtype=float)
+        key = ("kv-rows", self.p.transport, self.lay.checkpointing, a.kind, a.window, phase, step, payload)
+        rows = self.derived(key, lambda: np.array(
+            [sum(t.n_rows for t in transfers if t.dst == r and (payload is None or t.payload == payload))
+             for r in range(self.n)], dtype=float))
         nbytes = rows * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
         if exchange.pattern == "ring":
             senders = {t.dst: t.src for t in transfers}
@@ -837,7 +850,14 @@ def _scaled(work: Work, p: float) -> Work:
 
 @functools.lru_cache(maxsize=64)
 def _canvas_pairs(seq_len: int, block: int, window: int | None) -> int:
-    return mask.pairs(((0, seq_len),), seq_len, block, window)
+    return QueryIntervals(((0, seq_len),), seq_len, block, window).total()  # = mask.pairs
+
+
+def clear_caches() -> None:
+    """Forget what earlier graphs cached, layouts included (a benchmark measuring a cold start)."""
+    clear_layout_caches()
+    for cached in (_placed_group, _sequence_pairs, _canvas_pairs):
+        cached.cache_clear()
 
 
 def _anchor_tokens(w: Workload) -> int:

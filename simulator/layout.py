@@ -138,15 +138,14 @@ class Layout:
     plan: Plan
     checkpointing: str = "full"
     shares: tuple[RankShare, ...] = field(init=False)
-    # work derived from the shares alone, shared by every layout that owns the same positions
+    # what follows from the shares (with the plan's transport and the checkpointing, where they
+    # matter), shared by every layout that owns the same positions
     derived: dict = field(init=False, repr=False, compare=False)
-    _exchange_cache: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shares, derived = _ownership(self)
         object.__setattr__(self, "shares", shares)
         object.__setattr__(self, "derived", derived)
-        object.__setattr__(self, "_exchange_cache", {})
 
     @classmethod
     def build(cls, workload: Workload, plan: Plan) -> "Layout":
@@ -240,11 +239,11 @@ class Layout:
 
     # ---- K/V movement ----------------------------------------------------------------------
     def exchange(self, layer: AttentionSpec, phase: Phase) -> Exchange:
-        """K/V movement of one attention layer in one phase (cached per layer kind)."""
-        key = (layer.kind, layer.window, phase)
-        if key not in self._exchange_cache:
-            self._exchange_cache[key] = self._exchange(layer, phase)
-        return self._exchange_cache[key]
+        """K/V movement of one attention layer in one phase (cached per layer kind and ownership)."""
+        key = ("exchange", self.plan.transport, self.checkpointing, layer.kind, layer.window, phase)
+        if key not in self.derived:
+            self.derived[key] = self._exchange(layer, phase)
+        return self.derived[key]
 
     def _exchange(self, layer: AttentionSpec, phase: Phase) -> Exchange:
         if self.kind not in ("cp", "csbp") or layer.kind == "linear":
@@ -332,6 +331,12 @@ def _ownership(layout: Layout) -> tuple[tuple[RankShare, ...], dict]:
             _OWNERSHIP.clear()
         _OWNERSHIP[key] = (layout._build_shares(), {})
     return _OWNERSHIP[key]
+
+
+def clear_caches() -> None:
+    """Forget every cached layout and ownership (a benchmark measuring a cold search)."""
+    _build.cache_clear()
+    _OWNERSHIP.clear()
 
 
 def kv_row_bytes(layer: AttentionSpec, dtype_bytes: int, tp: int = 1) -> int:
