@@ -115,12 +115,8 @@ def collective_seconds(work: Comm, recv_bytes: float, profile: HardwareProfile) 
 
 def comm_seconds(work: Comm, profile: HardwareProfile) -> np.ndarray:
     """Per rank; a collective ends together for its members: the slowest member sets the time."""
-    own = np.array([collective_seconds(work, b, profile) for b in work.bytes])
-    out = np.empty_like(own)
-    for members in work.group.sync:
-        idx = list(members)
-        out[idx] = own[idx].max()
-    return out
+    priced = {b: collective_seconds(work, b, profile) for b in set(work.bytes)}  # ranks often match
+    return work.group.slowest(np.array([priced[b] for b in work.bytes]))
 
 
 def seconds(work: Work, profile: HardwareProfile) -> np.ndarray:

@@ -73,6 +73,18 @@ class Group:
     def nodes(self) -> int:
         return math.ceil(self.size / self.per_node)
 
+    def slowest(self, values: np.ndarray) -> np.ndarray:
+        """Per representative rank, the latest of `values` among the ranks it waits for."""
+        if len(self.sync) == len(values):
+            return values
+        if len(self.sync) == 1:
+            return np.full_like(values, values.max())
+        out = values.copy()
+        for members in self.sync:
+            idx = list(members)
+            out[idx] = values[idx].max()
+        return out
+
 
 @dataclass(frozen=True)
 class Compute:

@@ -18,19 +18,6 @@ from simulator.engine import Timeline
 from simulator.graph import Comm, StepGraph
 
 
-def slowest_member(values: np.ndarray, sync: tuple[tuple[int, ...], ...]) -> np.ndarray:
-    """Each rank gets the latest value among the ranks it waits for."""
-    if len(sync) == len(values):
-        return values
-    if len(sync) == 1:
-        return np.full_like(values, values.max())
-    out = values.copy()
-    for members in sync:
-        idx = list(members)
-        out[idx] = values[idx].max()
-    return out
-
-
 def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
     # Rows are kept as a list of arrays and stacked once: with a few ranks per op, numpy's per-call
     # cost dominates, so each op does as few calls as it can.
@@ -44,7 +31,7 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
         ready = reduce(np.maximum, [finish[j] for j in deps]) if deps else idle
         if isinstance(work, Comm):
             begin = ready if overlap else np.maximum(clock, ready)
-            begin = slowest_member(begin, work.group.sync)
+            begin = work.group.slowest(begin)
             if work.peer:  # a send/recv starts once its sender is there too
                 if id(work.peer) not in peers:
                     peers[id(work.peer)] = np.array(work.peer)
