@@ -189,14 +189,20 @@ class _Exchange(torch.autograd.Function):
 
 
 class _Collective:
-    """Keys = local rows + rows received from the group members (in group order)."""
+    """Keys = local rows + rows received from the group members (in group order).
+
+    Two calls merged by their LSE, as the step graph prices them: the local keys first (on a GPU
+    this runs while the exchange is in flight), then the received ones.
+    """
 
     def __init__(self, comm, group, me: int, mask: torch.Tensor, index: torch.Tensor):
         self.comm, self.group, self.me, self.mask, self.index = comm, group, me, mask, index
 
     def attend(self, q, k, v, scale):
+        n = k.shape[2]
+        out, lse = attention_with_lse(q, k, v, self.mask[..., :n], scale)
         k_r, v_r = _unpack(_Exchange.apply(_pack(k, v, self.index), self), k)
-        return dense_attention(q, torch.cat([k, k_r], 2), torch.cat([v, v_r], 2), self.mask, scale)
+        return merge(out, lse, *attention_with_lse(q, k_r, v_r, self.mask[..., n:], scale))[0]
 
 
 class _Gather(_Collective):
