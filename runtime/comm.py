@@ -8,12 +8,17 @@ algorithm's 2(P-1)/P of the buffer each way. Backends may move more on the wire 
 reduce-scatter is an all-reduce underneath); the counts describe the plan, not the backend.
 Attention K/V bytes received are also split by phase (forward, recompute, backward), the way the
 layout predicts them.
+
+Every call has the process group's timeout (a stuck peer fails it instead of hanging the run),
+and a backend failure surfaces as `CollectiveError`: this rank only saw another one fail.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Iterator
 
 import torch
@@ -31,11 +36,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class Comm:
-    """Collectives and point-to-point transfers of one rank, with byte counters."""
+class CollectiveError(RuntimeError):
+    """A collective failed in the backend: a peer died, or did not arrive within the timeout."""
 
-    def __init__(self) -> None:
+
+@contextmanager
+def _calling(op: str) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as err:  # gloo and NCCL report peer failures and timeouts this way
+        lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0])  # gloo's "[source.cc:123]" prefix
+        raise CollectiveError(f"{op} failed: {text}") from err
+
+
+class Comm:
+    """Collectives and point-to-point transfers of one rank, with byte counters.
+
+    `timeout` is given to the groups made here (torch gives new groups its 30-minute default,
+    not the world group's timeout).
+    """
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
         self._in_backward = False
+        self.timeout = timeout
         self.reset()
 
     def reset(self) -> None:
@@ -56,7 +80,8 @@ class Comm:
         return "recompute" if self._in_backward else "forward"
 
     def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
-        return dist.new_group(ranks)
+        with _calling("new_group"):
+            return dist.new_group(ranks, timeout=self.timeout)
 
     def _count(self, category: str, sent: int, received: int, phase: str | None = None) -> None:
         self.sent[category] += sent
@@ -69,7 +94,8 @@ class Comm:
         """Equal shards of every group member, stacked along dim 0 in group rank order."""
         size = dist.get_world_size(group)
         out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
-        _all_gather(out, shard.contiguous(), group=group)
+        with _calling("all_gather"):
+            _all_gather(out, shard.contiguous(), group=group)
         self._count(category, (size - 1) * _nbytes(shard), (size - 1) * _nbytes(shard), phase)
         return out
 
@@ -78,7 +104,8 @@ class Comm:
         """Sum over members of `full`, each member keeping its own 1/P slice of dim 0."""
         size = dist.get_world_size(group)
         out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
-        _reduce_scatter(out, full.contiguous(), group=group)
+        with _calling("reduce_scatter"):
+            _reduce_scatter(out, full.contiguous(), group=group)
         self._count(category, (size - 1) * _nbytes(out), (size - 1) * _nbytes(out), phase)
         return out
 
@@ -87,7 +114,8 @@ class Comm:
                    phase: str | None = None) -> torch.Tensor:
         """Rows to each member (`send_splits`, group rank order); rows from each come back."""
         out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        with _calling("all_to_all"):
+            dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         self._count(category, (sum(send_splits) - send_splits[me]) * row_bytes,
                     (sum(recv_splits) - recv_splits[me]) * row_bytes, phase)
@@ -101,8 +129,9 @@ class Comm:
         ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends.items()]
         ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in received.items()]
         if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+            with _calling("send/recv"):
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
         self._count(category, sum(map(_nbytes, sends.values())),
                     sum(map(_nbytes, received.values())), phase)
         return received
@@ -112,7 +141,8 @@ class Comm:
         """In-place SUM (gloo rejects AVG on older torch; callers normalise by global counts)."""
         size = dist.get_world_size(group) if dist.is_initialized() else 1
         if size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            with _calling("all_reduce"):
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
             volume = 2 * (size - 1) * _nbytes(t) // size
             self._count(category, volume, volume)
         return t

@@ -5,22 +5,24 @@
 
 One process per rank: gloo on CPU, NCCL when there is a GPU per rank. Processes are spawned here
 and joined with a timeout, so a stuck collective fails the run instead of hanging it. World sizes
-above the core count are allowed (ranks then share cores; the result says so).
+above the core count are allowed (ranks then share cores; the result says so). When a rank fails
+or dies, every rank is stopped and the run ends with one line naming the rank and the step.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import queue
+import sys
 import tempfile
 import time
-import traceback
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 from simulator.cli_args import add_plan_args, add_workload_args, inputs_from_args, plan_from_args
 from simulator.errors import InputError
+from simulator.layout import Layout
 from simulator.report import dumps, print_json
 
 
@@ -34,9 +36,16 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when there is a GPU per rank, else CPU")
     p.add_argument("--timeout", type=float, default=900,
-                   help="seconds before the run is abandoned (default 900)")
+                   help="seconds a collective waits for a peer, and that the run may go without "
+                        "any rank beginning a step, before it is abandoned (default 900)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", metavar="RESULT_JSON", help="also write the JSON result here")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="write checkpoints (torch.distributed.checkpoint) to DIR/step-N")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="checkpoint every K steps (default: only after the last step)")
+    p.add_argument("--resume", metavar="DIR", help="continue from the newest checkpoint in DIR "
+                   "(same model and seed; plan and world size may differ)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -51,13 +60,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+MAX_RANKS_PER_CORE = 8  # beyond this, ranks sharing a core only thrash
+SCORE_COPIES = 4  # scores, probabilities and their gradients alive at once in one layer
+RANK_OVERHEAD_BYTES = 400 * 2**20  # torch and gloo in each process
+
+
+class RunFailed(RuntimeError):
+    """The run ended early: a rank failed, died or timed out. The message is one line."""
+
+
 def is_plan_file(text: str | None) -> bool:
     return bool(text) and (text.endswith(".json") or Path(text).is_file())
 
 
 def job_from_args(args: argparse.Namespace):
     """The job the flags (or the plan file) describe, checked before any process starts."""
-    from runtime import planfile
+    from runtime import checkpoint, planfile
     from runtime.model import check_supported
     from runtime.plans.dp import check_supported as check_plan_supported
     from runtime.train import Job
@@ -76,7 +94,57 @@ def job_from_args(args: argparse.Namespace):
                          "(use --objective bd3lm)")
     if args.steps < 1 or args.warmup < 0:
         raise InputError("--steps must be at least 1 and --warmup at least 0")
-    return Job(model, workload, plan, steps=args.steps, warmup=args.warmup, seed=args.seed)
+    if not args.timeout > 0:
+        raise InputError(f"--timeout {args.timeout}: must be a positive number of seconds")
+    if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint_dir):
+        raise InputError("--checkpoint-every K needs K >= 1 and a --checkpoint-dir")
+    job = Job(model, workload, plan, steps=args.steps, warmup=args.warmup, seed=args.seed,
+              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    if args.resume:
+        path, info = checkpoint.latest(args.resume)
+        checkpoint.check_resumable(info, path, model, args.seed, job.end_step)
+        job = replace(job, resume_from=str(path), start_step=info.step)
+    return job
+
+
+def check_host(job, device: str) -> None:
+    """A run that cannot fit this host is bad input, not a run killed by the kernel later.
+
+    Counts what every rank holds for sure: the weights and gradients plus AdamW's two moments
+    (fp32, replicated) and its largest attention score block (the CPU runtime scores its
+    queries against every key of the 2L sequence, several such blocks alive at once).
+    """
+    world = job.plan.world
+    cores = os.cpu_count() or 1
+    if device == "cpu" and world > MAX_RANKS_PER_CORE * cores:
+        raise InputError(f"world size {world}: at most {MAX_RANKS_PER_CORE} ranks per core "
+                         f"({MAX_RANKS_PER_CORE * cores} on this host's {cores} cores)")
+    available = _available_memory()
+    if device != "cpu" or available is None:
+        return
+    w, spec = job.workload, job.model
+    layout = Layout.build(w, job.plan)
+    queries = max(share.n_positions for share in layout.shares)
+    heads = max(a.n_heads for a in spec.layers)
+    scores = SCORE_COPIES * 4 * w.micro_batch * heads * queries * 2 * w.seq_len
+    per_rank = 16 * spec.total_params() + scores + RANK_OVERHEAD_BYTES
+    if world * per_rank > available:
+        raise InputError(f"the run needs about {world * per_rank / 2**30:.1f} GiB over {world} "
+                         f"ranks (weights, AdamW state, attention scores) and this host has "
+                         f"{available / 2**30:.1f} GiB available: use a smaller model or "
+                         "context")
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def pick_device(choice: str, world: int) -> str:
@@ -93,7 +161,12 @@ def run(args: argparse.Namespace) -> int:
 
     job = job_from_args(args)
     device = pick_device(args.device, job.plan.world)
-    (reports,) = spawn([job], job.plan.world, device, args.timeout)
+    check_host(job, device)
+    try:
+        (reports,) = spawn([job], job.plan.world, device, args.timeout)
+    except RunFailed as err:
+        print(f"csbp: error: {err}", file=sys.stderr)
+        return 1
     print_result(summarize(job, reports, device, notes_for(job, device, job.plan.world)), args)
     return 0
 
@@ -111,6 +184,9 @@ def print_result(result: dict, args: argparse.Namespace) -> None:
     print(f"  step time    {result['step_time_s']:.4f} s  (median of {result['steps']} after "
           f"{result['warmup']} warm-up)")
     print(f"  loss         {result['loss']:.4f}")
+    if result["resumed_from"]:
+        print(f"  resumed      from {result['resumed_from']}, first measured step "
+              f"{result['first_step']}")
     print(f"  peak memory  {result['peak_memory_gib']:.3f} GiB  (max over ranks)")
     print(f"  attention    {counted:,} B counted, {predicted:,} B predicted per step (max over "
           f"ranks): {'match' if result['attention_bytes_match'] else 'MISMATCH'}")
@@ -120,24 +196,31 @@ def print_result(result: dict, args: argparse.Namespace) -> None:
         print(f"  note: {note}")
 
 
+GRACE_S = 3.0  # after a first failure, how long to wait for the report of the rank it began on
+
+
 def spawn(jobs: list, world: int, device: str = "cpu", timeout_s: float = 600) -> list[list]:
     """Run `jobs` in `world` fresh processes of this host -> reports[job][rank].
 
-    Raises TimeoutError after `timeout_s`, RuntimeError when a rank fails (with its traceback)
-    and InputError when a rank rejects its input; every process is killed on the way out.
+    `timeout_s` bounds every collective (the process-group timeout) and, with a margin for the
+    ranks to report it, the time the run may go without any rank beginning a step. Raises InputError when a rank rejects its input and
+    RunFailed when a rank fails, dies or the run times out; every process is killed on the way out.
     """
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_rank_main, args=(r, world, init, jobs, device, timeout_s, results),
-                             daemon=True) for r in range(world)]
+        pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(r, world, init, jobs, device, timeout_s, pipes[r][1]))
+                 for r in range(world)]
         for p in procs:
             p.start()
+        for _, sender in pipes:
+            sender.close()  # the parent keeps only the reading ends: a dead rank reads as EOF
         try:
-            got = _collect(procs, results, timeout_s)
+            got = _Watch(procs, [reader for reader, _ in pipes]).collect(timeout_s + 2 * GRACE_S)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -146,52 +229,113 @@ def spawn(jobs: list, world: int, device: str = "cpu", timeout_s: float = 600) -
     return [[got[r][j] for r in range(world)] for j in range(len(jobs))]
 
 
-def _collect(procs: list, results, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    got: dict[int, list] = {}
-    while len(got) < len(procs):
+class _Watch:
+    """The parent's view of the ranks: what each reported, the step each began last."""
+
+    def __init__(self, procs: list, readers: list):
+        self.procs, self.readers = procs, readers
+        self.open = dict(enumerate(readers))
+        self.done: dict[int, list] = {}
+        self.failed: dict[int, tuple[str, bool]] = {}  # rank -> (message, secondary)
+        self.at: dict[int, tuple[int, int]] = {}  # rank -> (job, step) begun last
+        self.jobs = 1
+
+    def collect(self, timeout_s: float) -> dict[int, list]:
+        from multiprocessing.connection import wait
+
+        progress = time.monotonic()
+        trouble_since = None
+        while len(self.done) < len(self.procs):
+            for reader in wait(list(self.open.values()), timeout=0.2):
+                if self._read(next(r for r, c in self.open.items() if c is reader)):
+                    progress = time.monotonic()
+            now = time.monotonic()
+            if trouble_since is None and (self.failed or self._dead()):
+                trouble_since = now
+            settled = all(r in self.done or r in self.failed or r in self._dead()
+                          for r in range(len(self.procs)))
+            if trouble_since is not None and (settled or now > trouble_since + GRACE_S):
+                raise RunFailed(self._verdict())
+            if now > progress + timeout_s:
+                raise RunFailed(f"no rank made progress for {timeout_s:.0f} s ({self._where()})")
+        return self.done
+
+    def _read(self, rank: int) -> bool:
+        """Take one message of `rank`; True when it is progress (a step begun, a job done)."""
         try:
-            rank, ok, payload = results.get(timeout=0.2)
-        except queue.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                rank, code = dead[0]
-                hint = " (killed: out of memory?)" if code == -9 else ""
-                raise RuntimeError(f"rank {rank} died with exit code {code}{hint}") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the run did not finish within {timeout_s:.0f} s") from None
-            continue
-        if not ok:
-            kind, text = payload
-            if kind == "input":
-                raise InputError(text)
-            raise RuntimeError(f"rank {rank} failed:\n{text}")
-        got[rank] = payload
-    return got
+            kind, payload = self.open[rank].recv()
+        except (EOFError, OSError):  # the rank exited or died; its exit code tells which
+            del self.open[rank]
+            self.procs[rank].join(timeout=1)
+            return False
+        if kind == "step":
+            self.at[rank] = payload
+            self.jobs = max(self.jobs, payload[0] + 1)
+        elif kind == "input":
+            raise InputError(payload)
+        elif kind == "failed":
+            self.failed[rank] = payload
+        else:
+            self.done[rank] = payload
+        return kind in ("step", "done")
+
+    def _dead(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs)
+                if p.exitcode not in (None, 0) and r not in self.failed and r not in self.done]
+
+    def _step(self, rank: int) -> str:
+        if rank not in self.at:
+            return "during setup"
+        job, step = self.at[rank]
+        return f"at step {step}" + (f" of job {job}" if self.jobs > 1 else "")
+
+    def _where(self) -> str:
+        return ", ".join(f"rank {r} {self._step(r)}" for r in range(len(self.procs))
+                         if r not in self.done)
+
+    def _verdict(self) -> str:
+        """The rank the failure began on: one that failed by itself, else one that died, else
+        one that saw a peer fail (with the ranks still running, which may be stuck)."""
+        primary = [r for r, (_, secondary) in sorted(self.failed.items()) if not secondary]
+        if primary:
+            return self.failed[primary[0]][0]
+        dead = self._dead()
+        if dead:
+            rank, code = dead[0], self.procs[dead[0]].exitcode
+            how = (f"was killed by signal {-code}" + (" (out of memory?)" if code == -9 else "")
+                   if code < 0 else f"exited with code {code}")
+            return f"rank {rank} {how} {self._step(rank)}"
+        rank = min(self.failed)
+        running = [r for r in range(len(self.procs)) if r not in self.failed and r not in self.done]
+        stuck = f" (still running: rank {', '.join(map(str, running))})" if running else ""
+        return self.failed[rank][0] + stuck
 
 
 def _rank_main(rank: int, world: int, init: str, jobs: list, device: str, timeout_s: float,
-               results) -> None:
+               conn) -> None:
     import torch
     import torch.distributed as dist
 
-    from runtime.train import run_jobs
+    from runtime.train import RankFailure, run_jobs
 
     try:
         if device == "cuda":
             torch.cuda.set_device(rank)
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init,
-                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+                                rank=rank, world_size=world, timeout=timeout)
         reports = run_jobs(jobs, rank, torch.device(device, rank) if device == "cuda"
-                           else torch.device("cpu"))
-        results.put((rank, True, reports))
+                           else torch.device("cpu"), lambda j, s: conn.send(("step", (j, s))),
+                           timeout)
+        conn.send(("done", reports))
     except InputError as err:
-        results.put((rank, False, ("input", str(err))))
-    except BaseException:  # noqa: BLE001 - any failure must reach the parent, not hang it
-        results.put((rank, False, ("crash", traceback.format_exc())))
+        conn.send(("input", str(err)))
+    except RankFailure as err:
+        conn.send(("failed", (str(err), err.secondary)))
+    except Exception as err:  # noqa: BLE001 - any failure must reach the parent, not hang it
+        conn.send(("failed", (str(RankFailure(rank, None, err)), False)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-

@@ -57,10 +57,14 @@ def load(path: str | Path) -> PlanFile:
         text = Path(path).read_text()
     except OSError as err:
         raise InputError(f"cannot read plan file {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"plan file {path} is not a text file") from None
     try:
         return PlanFile.model_validate(json.loads(text))
     except json.JSONDecodeError as err:
         raise InputError(f"plan file {path} is not JSON: {err.msg} (line {err.lineno})") from None
+    except RecursionError:
+        raise InputError(f"plan file {path} is nested too deeply") from None
     except ValidationError as err:
         raise InputError(f"plan file {path}: {one_line(err)}") from None
 

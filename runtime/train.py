@@ -11,6 +11,7 @@ environment, uses NCCL when CUDA is present (gloo otherwise) and prints the resu
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import statistics
@@ -18,12 +19,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from runtime.comm import CATEGORIES, PHASES, Comm
+from runtime import checkpoint, faults
+from runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
 from runtime.model import BlockDiffusionLM
 from runtime.plans import dp, rank_work
 from simulator.layout import Layout, attention_bytes_received, kv_row_bytes
@@ -38,7 +41,11 @@ LEARNING_RATE = 1e-3
 
 @dataclass(frozen=True)
 class Job:
-    """What to run: the model, one step's workload, the plan, and how many steps."""
+    """What to run: the model, one step's workload, the plan, and how many steps.
+
+    Steps are numbered from 0 over warm-up and measured steps alike; a resumed job starts at
+    `start_step` (the checkpoint's) and still ends at step warmup + steps.
+    """
 
     model: ModelSpec
     workload: Workload
@@ -47,6 +54,35 @@ class Job:
     warmup: int = 1
     seed: int = 0
     capture_gradients: bool = False  # tests: one step, no update, return every gradient
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step
+    resume_from: str | None = None  # a checkpoint's step directory
+    start_step: int = 0
+
+    @property
+    def end_step(self) -> int:
+        return self.warmup + self.steps
+
+
+class RankFailure(RuntimeError):
+    """What ended a rank, naming the rank and the step. `secondary` when the rank only saw
+    another rank fail (a broken or timed-out collective, a peer's non-finite loss), so the launcher
+    can name the rank where the failure began."""
+
+    def __init__(self, rank: int, step: int | None, error: BaseException):
+        self.rank, self.step = rank, step
+        self.secondary = isinstance(error, (CollectiveError, PeerLossNotFinite))
+        where = "during setup" if step is None else f"at step {step}"
+        text = (str(error).splitlines() or [""])[0]
+        super().__init__(f"rank {rank} failed {where}: {type(error).__name__}: {text}")
+
+
+class LossNotFinite(ArithmeticError):
+    """This rank's part of the loss is NaN or inf: training would only spread it."""
+
+
+class PeerLossNotFinite(LossNotFinite):
+    """The summed loss is not finite though this rank's part is: another rank's part is."""
 
 
 @dataclass
@@ -69,9 +105,20 @@ def device_for(local_rank: int) -> torch.device:
 
 
 def _peak_memory(device: torch.device) -> int:
+    """CUDA allocator peak, or the process's resident high-water mark (VmHWM). Not ru_maxrss
+    where /proc exists: Linux carries that over from the parent through fork + exec, so a
+    spawned rank would report its launcher's peak when that is larger."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 def predicted_by_phase(job: Job, ctx_rank: int, layout: Layout) -> dict[str, int]:
@@ -86,26 +133,45 @@ def predicted_by_phase(job: Job, ctx_rank: int, layout: Layout) -> dict[str, int
 
 
 class Trainer:
-    """One rank: model, optimizer, its share of the plan, and the step."""
+    """One rank: model, optimizer, its share of the plan, and the step.
 
-    def __init__(self, job: Job, rank: int, device: torch.device):
+    `on_step(step)` is called as each step begins (the launcher names the step a killed rank
+    died in); `timeout` bounds every collective of the groups the plan makes.
+    """
+
+    def __init__(self, job: Job, rank: int, device: torch.device,
+                 on_step: Callable[[int], None] | None = None, timeout: timedelta | None = None):
         self.job, self.rank, self.device = job, rank, device
-        self.comm = Comm()
+        self.on_step = on_step or (lambda step: None)
+        self.fault = faults.from_env()
+        self.comm = Comm(timeout)
         self.work = rank_work(job.model, job.workload, job.plan, rank, self.comm)
         self.model = BlockDiffusionLM(job.model, job.seed, job.workload.checkpointing == "full")
         self.model.to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
 
     def forward_backward(self, step: int) -> float:
-        """Loss and summed gradients of one step; returns the global loss."""
+        """Loss and summed gradients of one step; returns the global loss.
+
+        Raises LossNotFinite (PeerLossNotFinite when only another rank's part is bad) before
+        the optimizer could spread NaN or inf into the weights.
+        """
         self.comm.reset()
         dtype = AUTOCAST.get(self.job.workload.dtype)
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             loss = self.work.loss(self.model, step, self.job.seed)
+        if self.fault:
+            loss = self.fault.strike(self.rank, step, loss)
         with self.comm.backward():
             loss.backward()
         dp.all_reduce_gradients(self.model, self.comm)
-        return self.comm.all_reduce(loss.detach().float().reshape(1), "other").item()
+        part = loss.detach().float().reshape(1)
+        total = self.comm.all_reduce(part.clone(), "other").item()
+        if not math.isfinite(part.item()):
+            raise LossNotFinite(f"this rank's part of the loss is {part.item()}")
+        if not math.isfinite(total):
+            raise PeerLossNotFinite(f"the loss is {total} from another rank's part")
+        return total
 
     def step(self, step: int) -> float:
         loss = self.forward_backward(step)
@@ -114,21 +180,43 @@ class Trainer:
         return loss
 
     def run(self) -> RankReport:
+        """The job's steps (or one gradient capture); any failure becomes a RankFailure."""
+        job, step = self.job, None
+        try:
+            if job.capture_gradients:
+                step = 0
+                losses, times = [self.forward_backward(0)], []
+            else:
+                if job.resume_from:
+                    checkpoint.load(job.resume_from, self.model, self.optimizer)
+                losses, times = [], []
+                for step in range(job.start_step, job.end_step):
+                    self.on_step(step)
+                    if step == job.warmup and self.device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(self.device)
+                    self._sync()
+                    start = time.perf_counter()
+                    loss = self.step(step)
+                    self._sync()
+                    if step >= job.warmup:
+                        losses.append(loss)
+                        times.append(time.perf_counter() - start)
+                    self._maybe_save(step + 1)
+        except Exception as err:  # noqa: BLE001 - every failure names its rank and step
+            raise RankFailure(self.rank, step, err) from err
+        return self._report(losses, times)
+
+    def _maybe_save(self, done: int) -> None:
+        """Checkpoint after `done` steps when due (every K steps, and after the last one)."""
         job = self.job
-        if job.capture_gradients:
-            losses, times = [self.forward_backward(0)], []
-        else:
-            for s in range(job.warmup):
-                self.step(s)
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            losses, times = [], []
-            for s in range(job.warmup, job.warmup + job.steps):
-                self._sync()
-                start = time.perf_counter()
-                losses.append(self.step(s))
-                self._sync()
-                times.append(time.perf_counter() - start)
+        every = job.checkpoint_every
+        if job.checkpoint_dir and (done == job.end_step or (every and done % every == 0)):
+            info = checkpoint.CheckpointInfo(step=done, seed=job.seed, world=job.plan.world,
+                                             model=job.model, workload=job.workload, plan=job.plan)
+            checkpoint.save(job.checkpoint_dir, done, info, self.model, self.optimizer, self.rank)
+
+    def _report(self, losses: list[float], times: list[float]) -> RankReport:
+        job = self.job
         lay, w = self.work.layout, job.workload
         predicted = attention_bytes_received(lay, job.model.layers, w.dtype_bytes)[self.work.ctx_rank]
         grads = ({name: p.grad.detach().double().cpu().numpy()
@@ -143,9 +231,12 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
 
-def run_jobs(jobs: list[Job], rank: int, device: torch.device) -> list[RankReport]:
-    """Every job in turn on this rank (the process group is already up)."""
-    return [Trainer(job, rank, device).run() for job in jobs]
+def run_jobs(jobs: list[Job], rank: int, device: torch.device,
+             on_step: Callable[[int, int], None] | None = None,
+             timeout: timedelta | None = None) -> list[RankReport]:
+    """Every job in turn on this rank (the process group is already up); `on_step(job, step)`."""
+    return [Trainer(job, rank, device, on_step and (lambda s, j=j: on_step(j, s)), timeout).run()
+            for j, job in enumerate(jobs)]
 
 
 def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]) -> dict:
@@ -158,8 +249,10 @@ def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]
         "world": job.plan.world,
         "device": device,
         "backend": "nccl" if device == "cuda" else "gloo",
-        "steps": job.steps,
+        "steps": len(per_step),
         "warmup": job.warmup,
+        "first_step": max(job.start_step, job.warmup),  # the step of losses[0]
+        "resumed_from": job.resume_from,
         "step_time_s": statistics.median(per_step) if per_step else None,
         "step_times_s": per_step,
         "loss": reports[0].losses[-1],
@@ -216,12 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     device = device_for(int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(seconds=args.timeout))
+    timeout = timedelta(seconds=args.timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     try:
-        (report,) = run_jobs([job], rank, device)
+        (report,) = run_jobs([job], rank, device, timeout=timeout)
         reports = [None] * world
         dist.all_gather_object(reports, report)
+    except RankFailure as err:  # torchrun stops the other ranks and reports the exit codes
+        print(f"runtime.train: error: {err}", file=sys.stderr)
+        return 1
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -52,6 +52,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _error(message: str) -> int:
+    """Bad input: one line on stderr (line breaks in names or values from files included)."""
+    print(f"csbp: error: {' '.join(message.splitlines())}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -60,11 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(argv).parse_args(argv)
         return int(args.func(args) or 0)
     except InputError as err:
-        print(f"csbp: error: {err}", file=sys.stderr)
-        return 2
+        return _error(str(err))
     except ValidationError as err:
-        print(f"csbp: error: {one_line(err)}", file=sys.stderr)
-        return 2
+        return _error(one_line(err))
     except KeyboardInterrupt:
         print("csbp: interrupted", file=sys.stderr)
         return 130

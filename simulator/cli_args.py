@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from simulator.errors import InputError
-from simulator.plan import Plan, one_line, parse_plan
+from simulator.plan import Plan, check_size, one_line, parse_plan
 from simulator.presets import load_model
 from simulator.spec import ModelSpec
 from simulator.workload import Workload, parse_tokens
@@ -20,6 +20,8 @@ DEFAULT_MODEL = "nemotron-diffusion-8b"
 DEFAULT_HARDWARE = "h200"
 DEFAULT_NODES = 2
 DEFAULT_SEQ_LEN = "256k"
+# Beyond this the planner's enumeration of every divisor of the GPU count stops being quick.
+MAX_NODES = 4096
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,19 @@ def add_workload_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> N
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="profile name or YAML path")
-    p.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="number of nodes")
+    p.add_argument("--nodes", type=node_count, default=DEFAULT_NODES,
+                   help=f"number of nodes (1 to {MAX_NODES})")
+
+
+def node_count(text: str) -> int:
+    try:
+        nodes = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if nodes > MAX_NODES:  # fewer than one is the planner's and simulate()'s to refuse
+        raise argparse.ArgumentTypeError(f"{nodes}: at most {MAX_NODES} nodes (the most the "
+                                         "simulator models)")
+    return nodes
 
 
 def add_plan_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -77,6 +91,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
             dtype=args.dtype, checkpointing=args.checkpointing, zero_stage=args.zero)
     except (ValidationError, ValueError) as err:
         raise InputError(one_line(err)) from None
+    check_size(workload)
     return Inputs(model, workload)
 
 

@@ -306,6 +306,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         raise InputError(f"{path}: cannot read: {err.strerror}") from None
     except UnicodeDecodeError:
         raise InputError(f"{path}: not a text file") from None
+    except RecursionError:
+        raise InputError(f"{path}: nested too deeply to be a hardware profile") from None
     if not isinstance(raw, dict):
         raise InputError(f"{path}: a hardware profile must be a YAML mapping")
     try:

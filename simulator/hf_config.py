@@ -78,16 +78,40 @@ def _moe(cfg: dict[str, Any]) -> MoESpec | None:
                    dense_ffn=shared)
 
 
+MAX_LAYERS = 4096  # far above any real model; keeps a typo like 10**7 from building for minutes
+# Largest sizes the simulator models (about 100x today's models): beyond them FLOP and byte
+# counts leave the range of the int64/float arithmetic the cost model uses.
+MAX_SIZE = {"hidden": 2**20, "ffn": 2**20, "vocab": 2**22, "n_heads": 2**10, "n_kv_heads": 2**10,
+            "head_dim": 2**10, "window": 2**24, "conv_kernel": 2**10, "n_experts": 2**12,
+            "top_k": 2**12, "expert_ffn": 2**20, "dense_ffn": 2**20}
+
+
+def _check_sizes(tree: Any, path: Path) -> None:
+    """Every size of a ModelSpec dump within MAX_SIZE."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        if key in MAX_SIZE and isinstance(value, int) and value > MAX_SIZE[key]:
+            raise InputError(f"{path}: {key}={value} exceeds {MAX_SIZE[key]}, the largest the "
+                             "simulator models")
+        _check_sizes(value, path)
+
+
 def model_from_hf_config(path: Path) -> ModelSpec:
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise InputError(f"no such model config: {path}") from None
+    except OSError as err:
+        raise InputError(f"cannot read model config {path}: {err.strerror or err}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(f"{path} is not valid JSON: {str(err).splitlines()[0]}") from None
+    except RecursionError:
+        raise InputError(f"{path} is nested too deeply to be a model config") from None
     if not isinstance(raw, dict):
         raise InputError(f"{path}: expected a JSON object")
     cfg = raw.get("text_config") or raw
+    if not isinstance(cfg, dict):
+        raise InputError(f"{path}: text_config must be a JSON object")
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -95,13 +119,18 @@ def model_from_hf_config(path: Path) -> ModelSpec:
         vocab = int(cfg["vocab_size"])
     except KeyError as err:
         raise InputError(f"{path}: missing key {err.args[0]!r} (not a transformer config.json?)") from None
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         raise InputError(f"{path}: bad value: {err}") from None
+    if not 1 <= n_layers <= MAX_LAYERS:
+        raise InputError(f"{path}: num_hidden_layers={n_layers}: use 1 to {MAX_LAYERS}")
+    if hidden < 1 or heads < 1:
+        raise InputError(f"{path}: hidden_size and num_attention_heads must be positive "
+                         f"(got {hidden}, {heads})")
     try:
         moe = _moe(cfg)
         kinds = _layer_kinds(cfg, n_layers)
         layers = tuple(_layer(cfg, k, hidden, heads) for k in kinds)
-        return ModelSpec(
+        spec = ModelSpec(
             name=str(raw.get("_name_or_path") or cfg.get("model_type") or Path(path).parent.name or "hf-model"),
             hidden=hidden, ffn=0 if moe and not cfg.get("intermediate_size") else int(cfg.get("intermediate_size", 0)),
             vocab=vocab, layers=layers, moe=moe,
@@ -110,3 +139,7 @@ def model_from_hf_config(path: Path) -> ModelSpec:
             source=f"Hugging Face config {path}")
     except ValidationError as err:
         raise InputError(f"{path}: {one_line(err)}") from None
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as err:  # a key of the wrong type
+        raise InputError(f"{path}: bad value: {one_line(err)}") from None
+    _check_sizes(spec.model_dump(), path)
+    return spec

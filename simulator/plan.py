@@ -24,6 +24,12 @@ AXES = ("dp", "tp", "ep", "cp", "bp")
 # Order of axes from innermost (consecutive global ranks) to outermost; "ctx" is the context
 # group of size max(cp, bp). TP innermost keeps its many small collectives on NVLink.
 DEFAULT_PLACEMENT = "tp,ctx,ep,dp"
+# The largest inputs the simulator models in seconds: layouts and step graphs grow with the
+# blocks of a sequence and, for ring and all-to-all exchanges, with the square of the context
+# group. Larger values are refused with these numbers rather than left to run for hours.
+MAX_SEQ_LEN = 4 * 1024**2
+MAX_BLOCKS = 2**18
+MAX_CONTEXT_GROUP = 256
 
 
 class Plan(BaseModel):
@@ -89,6 +95,7 @@ class Plan(BaseModel):
 
     def check_against(self, model: ModelSpec, workload: Workload, world: int | None = None) -> None:
         """Rules that need the model and workload; raises InputError naming the rule."""
+        check_size(workload, self.ctx)
         if world is not None and self.world != world:
             raise InputError(
                 f"world = dp*tp*ep*max(cp,bp) = {self.dp}*{self.tp}*{self.ep}*{self.ctx} = "
@@ -111,6 +118,19 @@ class Plan(BaseModel):
         if self.bp > workload.n_blocks:
             raise InputError(f"bp={self.bp} exceeds the {workload.n_blocks} blocks of seq-len {L} / "
                              f"block-size {b}: some ranks would own no block")
+
+
+def check_size(workload: Workload, ctx: int = 1) -> None:
+    """Refuse inputs beyond what the simulator models (MAX_* above), naming the bound."""
+    if workload.seq_len > MAX_SEQ_LEN:
+        raise InputError(f"seq-len {workload.seq_len} exceeds {MAX_SEQ_LEN} (4M), the longest "
+                         "context the simulator models")
+    if workload.n_blocks > MAX_BLOCKS:
+        raise InputError(f"{workload.n_blocks} blocks of {workload.block_size} tokens exceed "
+                         f"{MAX_BLOCKS}, the most the simulator models: use a larger block size")
+    if ctx > MAX_CONTEXT_GROUP:
+        raise InputError(f"context group max(cp,bp) = {ctx} exceeds {MAX_CONTEXT_GROUP}, the "
+                         "largest the simulator models")
 
 
 def parse_plan(text: str, **options: object) -> Plan:
@@ -139,7 +159,7 @@ def one_line(err: Exception) -> str:
     if callable(errors):
         msgs = []
         for e in errors():
-            loc = ".".join(str(p) for p in e.get("loc", ()))
+            loc = ".".join(str(p) if str(p).isprintable() else repr(p) for p in e.get("loc", ()))
             msg = str(e.get("msg", "")).removeprefix("Value error, ")
             msgs.append(f"{loc}: {msg}" if loc else msg)
         return "; ".join(msgs)
