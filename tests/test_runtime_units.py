@@ -136,3 +136,18 @@ def test_bad_plan_files_are_one_line_input_errors(tmp_path, content, message):
     assert "\n" not in str(err.value)
     with pytest.raises(InputError, match="cannot read plan file"):
         planfile.load(tmp_path / "missing.json")
+
+
+@pytest.mark.timeout(120)
+def test_a_spawned_rank_reports_its_own_peak_memory_not_its_launchers():
+    """ru_maxrss survives fork + exec on Linux; the rank must read its own VmHWM."""
+    from runtime.launch import spawn
+    from runtime.train import Job
+
+    ballast = bytearray(1024**3)  # the launcher's peak: 1 GiB more than a tiny rank needs
+    ballast[::4096] = b"\x01" * len(ballast[::4096])
+    job = Job(load_model("tiny"), Workload(seq_len=16, block_size=4, dtype="fp32"), Plan(),
+              steps=1, warmup=0)
+    ((report,),) = spawn([job], 1, "cpu", 100)
+    del ballast
+    assert 0 < report.peak_memory_bytes < 1024**3
