@@ -60,6 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; torch's timeouts overflow far beyond
 MAX_RANKS_PER_CORE = 8  # beyond this, ranks sharing a core only thrash
 SCORE_COPIES = 4  # scores, probabilities and their gradients alive at once in one layer
 RANK_OVERHEAD_BYTES = 400 * 2**20  # torch and gloo in each process
@@ -94,8 +95,9 @@ def job_from_args(args: argparse.Namespace):
                          "(use --objective bd3lm)")
     if args.steps < 1 or args.warmup < 0:
         raise InputError("--steps must be at least 1 and --warmup at least 0")
-    if not args.timeout > 0:
-        raise InputError(f"--timeout {args.timeout}: must be a positive number of seconds")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        raise InputError(f"--timeout {args.timeout}: use more than 0 and at most "
+                         f"{MAX_TIMEOUT_S:.0f} seconds")
     if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint_dir):
         raise InputError("--checkpoint-every K needs K >= 1 and a --checkpoint-dir")
     job = Job(model, workload, plan, steps=args.steps, warmup=args.warmup, seed=args.seed,
