@@ -205,8 +205,9 @@ def spawn(jobs: list, world: int, device: str = "cpu", timeout_s: float = 600) -
     """Run `jobs` in `world` fresh processes of this host -> reports[job][rank].
 
     `timeout_s` bounds every collective (the process-group timeout) and, with a margin for the
-    ranks to report it, the time the run may go without any rank beginning a step. Raises InputError when a rank rejects its input and
-    RunFailed when a rank fails, dies or the run times out; every process is killed on the way out.
+    ranks to report it, the time the run may go without any rank beginning a step. Raises
+    InputError when a rank rejects its input and RunFailed when a rank fails, dies or the run
+    stalls; every process is killed on the way out.
     """
     import multiprocessing as mp
 
@@ -235,8 +236,8 @@ class _Watch:
     """The parent's view of the ranks: what each reported, the step each began last."""
 
     def __init__(self, procs: list, readers: list):
-        self.procs, self.readers = procs, readers
-        self.open = dict(enumerate(readers))
+        self.procs = procs
+        self.open = dict(enumerate(readers))  # rank -> pipe, until the rank's end closes
         self.done: dict[int, list] = {}
         self.failed: dict[int, tuple[str, bool]] = {}  # rank -> (message, secondary)
         self.at: dict[int, tuple[int, int]] = {}  # rank -> (job, step) begun last
@@ -334,10 +335,9 @@ def _rank_main(rank: int, world: int, init: str, jobs: list, device: str, timeou
         conn.send(("done", reports))
     except InputError as err:
         conn.send(("input", str(err)))
-    except RankFailure as err:
-        conn.send(("failed", (str(err), err.secondary)))
     except Exception as err:  # noqa: BLE001 - any failure must reach the parent, not hang it
-        conn.send(("failed", (str(RankFailure(rank, None, err)), False)))
+        failure = err if isinstance(err, RankFailure) else RankFailure(rank, None, err)
+        conn.send(("failed", (str(failure), failure.secondary)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

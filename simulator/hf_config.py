@@ -88,8 +88,9 @@ MAX_SIZE = {"hidden": 2**20, "ffn": 2**20, "vocab": 2**22, "n_heads": 2**10, "n_
 
 def _check_sizes(tree: Any, path: Path) -> None:
     """Every size of a ModelSpec dump within MAX_SIZE."""
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
-    for key, value in items:
+    if isinstance(tree, (list, tuple)):
+        tree = dict(enumerate(tree))
+    for key, value in tree.items() if isinstance(tree, dict) else ():
         if key in MAX_SIZE and isinstance(value, int) and value > MAX_SIZE[key]:
             raise InputError(f"{path}: {key}={value} exceeds {MAX_SIZE[key]}, the largest the "
                              "simulator models")
