@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         (report,) = run_jobs([job], rank, device, timeout=timeout)
         reports = [None] * world
         dist.all_gather_object(reports, report)
+        dist.barrier()  # every rank is past its last transfer before any tears gloo down
     except RankFailure as err:  # torchrun stops the other ranks and reports the exit codes
         print(f"runtime.train: error: {err}", file=sys.stderr)
         return 1
