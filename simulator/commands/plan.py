@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
                         engine=args.engine, with_trace=False) if yours else None
     emitted = emit_all(found, args.emit, args.nodes, profile.node.gpus_per_node)
     if args.json:
+        console(stderr=True).print(f"searched {found.candidates} candidates in {found.seconds:.2f} s",
+                                   highlight=False)
         print_json(_json(found, args, command) | {
             "your_run": _your_run_json(your_run, found.recommended),
             "emitted": emitted})
@@ -188,7 +190,7 @@ def _json(found, args: argparse.Namespace, command: str | None) -> dict:
         "candidates": [_with_speedup(r, base) for r in found.ranked[:args.top]],
         "infeasible": [g.to_json() for g in found.infeasible],
         "search": {"candidates": found.candidates, "evaluations": found.evaluations,
-                   "seconds": found.seconds, "engine": found.engine},
+                   "engine": found.engine},  # wall time goes to stderr: the JSON stays deterministic
         "plan_file": args.out,
         "torchrun": command,
     }
