@@ -22,11 +22,7 @@ def lines(path: Path, title: str, panels: list[tuple[str, list[str], dict[str, l
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(fig, title, path)
 
 
 def bars(path: Path, title: str, panels: list[tuple[str, list[str], dict[str, list]]]) -> str:
@@ -41,6 +37,11 @@ def bars(path: Path, title: str, panels: list[tuple[str, list[str], dict[str, li
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
+    return _save(fig, title, path)
+
+
+def _save(fig, title: str, path: Path) -> str:
+    """Title, layout, write and free one figure: every chart ends the same way."""
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
