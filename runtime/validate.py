@@ -194,6 +194,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from runtime.launch import RunFailed
     from simulator.hardware import load_profile
     from simulator.report import print_json
 
@@ -211,8 +212,12 @@ def run(args: argparse.Namespace) -> int:
     cases = suite(args.quick)
     load_before = _loadavg()
     with console.status("running") as status:
-        runs = measure(cases, repeats, steps, 0 if args.quick else 2, args.timeout,
-                       lambda text: status.update(f"running: {text}"))
+        try:
+            runs = measure(cases, repeats, steps, 0 if args.quick else 2, args.timeout,
+                           lambda text: status.update(f"running: {text}"))
+        except RunFailed as err:  # a rank failed: one line, like `csbp run`
+            console.print(f"csbp: error: {err}", highlight=False, markup=False)
+            return 1
         status.update("simulating")
         predictions = [predict(c, profile) for c in cases]
     report = compare(cases, runs, predictions)
