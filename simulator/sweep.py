@@ -162,10 +162,7 @@ def _per_family(df: pd.DataFrame, column: str, ylabel: str, path: Path, hline: f
         ax.set_title(f"{model}, {gpus} GPUs", fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _speedup(df: pd.DataFrame, path: Path) -> Path:
@@ -180,10 +177,7 @@ def _speedup(df: pd.DataFrame, path: Path) -> Path:
     _context_axis(ax, df.seq_len.unique())
     ax.set_ylabel("speedup of the recommended plan\nover the best plan without BP")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _crossover(df: pd.DataFrame, path: Path) -> Path:
@@ -210,10 +204,7 @@ def _crossover(df: pd.DataFrame, path: Path) -> Path:
         ax.set_xlabel("context length")
         ax.set_ylabel("GPUs")
         ax.set_title(f"winning family: {model}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_sweep(df: pd.DataFrame, out_dir: Path, memory_gib: float) -> list[Path]:
@@ -227,3 +218,13 @@ def plot_sweep(df: pd.DataFrame, out_dir: Path, memory_gib: float) -> list[Path]
                     out_dir / "peak_memory.png", hline=memory_gib),
         _crossover(df, out_dir / "crossover.png"),
     ]
+
+
+def _save(fig, path: Path) -> Path:
+    """Lay out, write and free one figure: every sweep chart ends the same way."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
