@@ -35,7 +35,7 @@ from simulator.hardware import PROFILE_DIR, HardwareProfile, load_profile
 from simulator.report import print_json
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
-COLLECTIVE_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
+COLLECTIVE_SIZES = (4 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 QUICK_COLLECTIVE_SIZES = (4 * KIB, 1 * MIB, 16 * MIB)
 GROUP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 # Attention calls measured: (L, query counts) against all 2L keys, the sizes the validation plans
@@ -43,6 +43,8 @@ GROUP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 DENSE_CALLS = {False: ((512, (256, 512, 768, 1024)), (1024, (256, 512, 1024, 1536, 2048))),
                True: ((512, (256, 1024)),)}
 BLOCK = 32
+# Tokens per rank of the validation plans (L = 512-1024 over 1-4 ranks, 2L positions each)
+ELEMENTWISE_TOKENS = (512, 1024, 2048)
 # Host overhead: the validation model's layer structure at widths where arithmetic vanishes.
 TINY_SEQ = 32
 TINY_SPEC_TEXT = "the validation model's layers at hidden 32, 4 heads of 8, L = 32"
@@ -72,7 +74,7 @@ class Measurements:
     attention: list[tuple[int, int, bool, float, float]]  # (tile, head_dim, backward, flop, s)
     masked_attention: tuple[float, float]  # (seconds full tile, seconds BD3-LM-masked tile)
     copy: tuple[int, float]  # (bytes read + written, seconds)
-    elementwise: tuple[int, float]  # (bytes read + written, seconds)
+    layer_elementwise: list[tuple[int, float]]  # (tokens, seconds of a layer's memory-bound ops)
     op_overhead_s: float
     gemm_load: dict[int, list[float]]  # processes -> FLOP/s each got
     collectives: dict[int, dict[tuple[str, int], float]]  # world -> (op, bytes) -> seconds
@@ -90,7 +92,8 @@ class Measurements:
 # ---- collective model: the formulas the fit inverts --------------------------------------------
 
 def wire_bytes(op: str, n_bytes: int, world: int) -> float:
-    """Bytes one rank sends for a buffer of `n_bytes` (ring algorithms; send/recv: the message)."""
+    """Bytes one rank sends, and receives, for a buffer of `n_bytes` (ring algorithms; send/recv:
+    the message): what the step graph counts as a member's received bytes."""
     if op == "send_recv":
         return n_bytes
     share = (world - 1) / world * n_bytes
@@ -108,18 +111,21 @@ def per_rank_bytes(op: str, n_bytes: int, world: int) -> float:
     return n_bytes if op == "send_recv" else n_bytes / world
 
 
-def collective_seconds(profile: HardwareProfile, op: str, n_bytes: int, world: int) -> float:
-    """Predicted time of one gloo/NCCL call inside one host: alpha-beta, plus the wake-up delay
-    once ranks outnumber cores. Bandwidth is not divided among sharing ranks: at world size 4 on
-    2 cores the measured bandwidth stays near the world-2 figure (gloo's copies leave cores idle)."""
-    link, node = profile.links.nvlink, profile.node
-    if op == "send_recv":
-        latency = link.p2p_latency_us
-    else:
-        latency = link.call_latency_us + ring_steps(op, world) * link.step_latency_us \
-            + node.call_wakeup_us(world)
-    bandwidth = link.bus_gbs(op) * 1e9 * link.bandwidth_fraction(per_rank_bytes(op, n_bytes, world))
-    return latency * 1e-6 + wire_bytes(op, n_bytes, world) / bandwidth
+def collective_seconds(profile: HardwareProfile, op: str, n_bytes: int, world: int,
+                       measured: bool = True) -> float:
+    """The simulator's price of one call over a buffer of `n_bytes` by `world` ranks of one host:
+    the measured table where the profile has one (`measured`), else the alpha-beta model with the
+    wake-up delay once ranks outnumber cores."""
+    from simulator.cost import collective_seconds as price
+    from simulator.graph import Comm, Group
+
+    if not measured:
+        profile = profile.model_copy(update={"links": profile.links.model_copy(update={
+            "nvlink": profile.links.nvlink.model_copy(update={"call_seconds": None})})})
+    collective = "p2p" if op == "send_recv" else op.replace("_", "-")
+    group = Group(size=world, per_node=world, sync=((0,),))
+    return price(Comm(collective, (wire_bytes(op, n_bytes, world),), group, "other"),
+                 wire_bytes(op, n_bytes, world), profile.on_one_host(world))
 
 
 # ---- fitting ------------------------------------------------------------------------------------
@@ -146,10 +152,13 @@ def efficiency_curve(points: list[tuple[float, float]], per_decade: int = 3) -> 
 
 def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
     """Link figures from world size 2, the wake-up latency from world size 4."""
+    from runtime.microbench import GAP_S
+
     two = m.collectives[2]
     sizes = sorted({s for _, s in two})
     small, large = sizes[0], sizes[-1]
-    where = "gloo over TCP loopback, world size 2, one thread per rank"
+    where = ("gloo over TCP loopback, world size 2, one thread per rank, each call after "
+             f"{GAP_S * 1e3:.0f} ms of compute, from the last rank's arrival")
     # alpha-beta per op: latency from the smallest size, asymptote = the best bandwidth any
     # size reaches once latency is off (the size curve then says how far each size falls short)
     gbs, lat = {}, {}
@@ -178,6 +187,7 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
         return f"{two[(op, s)] * 1e6:.0f} us"
 
     link = {
+        "call_seconds": _call_tables(m, GAP_S),
         "collective_gbs": _figure(_round(gbs["all_gather"]), f"measured ({where}): the runtime's Comm.all_gather "
                                   f"(all_gather_single) of {large // MIB} MiB in {t('all_gather', large)}, ring wire bytes "
                                   "(n-1)/n x buffer, latency subtracted"),
@@ -220,9 +230,43 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
     wake_fig = None
     if wakeup and wakeup > 0:
         wake_fig = _figure(_round(wakeup * 1e6), "measured (gloo, world size 4 on this host's cores, "
+                           f"each call after {GAP_S * 1e3:.0f} ms of compute, "
                            f"{small4 // KIB} KiB): median over ops of time - world-2 latency model, per call; "
                            f"{', '.join(detail)}; send/recv shows no such delay")
     return link, wakeup or 0.0, {"wakeup_latency_us": wake_fig}
+
+
+def non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in log scale (pool adjacent violators): a larger call
+    never takes less time, so a dip is noise, and pooling averages it with its neighbours
+    instead of letting one slow small call set the floor for every size above it."""
+    blocks: list[list[float]] = []  # [mean log, count]
+    for v in values:
+        blocks.append([math.log(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, n), (b, k) = blocks[-2], blocks.pop()
+            blocks[-1] = [(a * n + b * k) / (n + k), n + k]
+    return [math.exp(mean) for mean, count in blocks for _ in range(count)]
+
+
+def _call_tables(m: Measurements, gap_s: float) -> dict:
+    """Every measured call as the cost model reads it: by group size and op, seconds against the
+    bytes each member receives, made non-decreasing."""
+    tables: dict[int, dict[str, list]] = {}
+    for world, measured in sorted(m.collectives.items()):
+        for op in sorted({op for op, _ in measured}):
+            sizes = sorted(s for o, s in measured if o == op)
+            seconds = non_decreasing([measured[(op, s)] for s in sizes])
+            tables.setdefault(world, {})[op] = [[_round(wire_bytes(op, s, world)), _round(t)]
+                                                for s, t in zip(sizes, seconds)]
+    sizes = sorted({s for table in m.collectives.values() for _, s in table})
+    return _figure(tables, (
+        f"measured: the runtime's Comm calls (gloo over TCP loopback, one thread per rank) at world "
+        f"sizes {', '.join(map(str, sorted(m.collectives)))}, buffers "
+        f"{', '.join(f'{s // KIB} KiB' for s in sizes)}, each call after {gap_s * 1e3:.0f} ms of "
+        "compute (as a training step calls them), median over calls of last rank out - last rank "
+        "in; x = bytes each member receives; made non-decreasing over sizes (pool adjacent "
+        "violators in log time)"))
 
 
 def _op_overhead(m: Measurements) -> dict:
@@ -237,6 +281,53 @@ def _op_overhead(m: Measurements) -> dict:
         f"checkpointing, AdamW) in {seconds * 1e3:.2f} ms, over the {kernels} kernels its step "
         f"graph counts: host time (Python, dispatch, autograd, allocation) per kernel; an "
         f"8-element add alone takes {m.op_overhead_s * 1e6:.2f} us"))
+
+
+def _graph_ops(spec, seq_len: int, names: tuple[str, ...], layer: int | None) -> tuple[float, int]:
+    """(bytes, kernels) the step graph gives the ops called `names` of `layer` in a one-process
+    step (every phase: forward, recompute, backward)."""
+    from simulator.graph import StepGraph
+    from simulator.layout import Layout
+    from simulator.plan import Plan
+    from simulator.workload import Workload
+
+    w = Workload(seq_len=seq_len, block_size=BLOCK, dtype="fp32", zero_stage=0)
+    ops = [op for op in StepGraph.build(spec, w, Plan(), Layout.build(w, Plan()), 1).ops
+           if op.name in names and op.layer == layer]
+    return sum(op.work.bytes[0] for op in ops), sum(op.work.kernels for op in ops)
+
+
+def _memory_bound(m: Measurements, copy_gbs: float) -> dict:
+    """Fractions of the copy bandwidth the runtime's memory-bound ops reach, against the bytes
+    the step graph counts for them (host time per kernel taken off first).
+
+    The graph counts fused kernels (one pass per RMSNorm, one per RoPE); eager PyTorch makes a
+    pass per op (pow, mean, rsqrt, two multiplies for one RMSNorm) and AdamW's foreach update a
+    pass per term, so the measured fraction is well below a single copy's.
+    """
+    from runtime.validate import VALIDATION_MODEL
+
+    spec, overhead = VALIDATION_MODEL, _op_overhead(m)["value"] * 1e-6
+    names = ("norm-rope", "norm-swiglu", "norm-rope-bwd", "norm-swiglu-bwd")
+    fractions = []
+    for tokens, seconds in m.layer_elementwise:
+        nbytes, kernels = _graph_ops(spec, tokens // 2, names, 0)
+        fractions.append(nbytes / (copy_gbs * 1e9 * max(seconds - kernels * overhead, 1e-9)))
+    out = {"hbm_efficiency": _figure(_round(min(1.0, statistics.median(fractions))), (
+        "measured: one layer's memory-bound ops as the runtime trains them (2 RMSNorms, RoPE on q "
+        "and k, 2 residual adds, silu(gate) * up; forward, recompute, backward) at "
+        + ", ".join(f"{n} tokens {s * 1e3:.1f} ms ({f:.2f})" for (n, s), f in zip(m.layer_elementwise, fractions))
+        + f": the step graph's bytes for them / time / copy bandwidth {copy_gbs:.2f} GB/s, median; "
+        "eager ops each make their own pass, the graph counts fused ones"))}
+    if m.optimizer:
+        params, seconds = m.optimizer
+        nbytes, kernels = _graph_ops(spec, min(n for n, _ in m.layer_elementwise) // 2, ("adamw",), None)
+        fraction = nbytes / (copy_gbs * 1e9 * max(seconds - kernels * overhead, 1e-9))
+        out["optimizer_efficiency"] = _figure(_round(min(1.0, fraction)), (
+            f"measured: torch.optim.AdamW step (foreach, fp32) over the validation model's "
+            f"{params:,} parameters in {seconds * 1e3:.2f} ms: the step graph's bytes for it / time "
+            f"/ copy bandwidth {copy_gbs:.2f} GB/s"))
+    return out
 
 
 def _dense_curves(m: Measurements, peak: float) -> dict:
@@ -328,7 +419,6 @@ def fit_profile(m: Measurements, name: str) -> dict:
     bwd = [(tile, flop / s / peak) for tile, _, b, flop, s in m.attention if b]
     head_dims = sorted({hd for _, hd, *_ in m.attention})
     copy_gbs = m.copy[0] / m.copy[1] / 1e9
-    elem_gbs = m.elementwise[0] / m.elementwise[1] / 1e9
     full_s, masked_s = m.masked_attention
     load_rates = {p: sum(r) for p, r in m.gemm_load.items()}
     single = load_rates[1]
@@ -356,10 +446,7 @@ def fit_profile(m: Measurements, name: str) -> dict:
                                    f"{best[0]}x{best[1]}x{best[2]} in {best[3] * 1e3:.2f} ms, one process alone"),
             "hbm_gbs": _figure(_round(copy_gbs), f"measured: copy_ of {m.copy[0] // 2 // MIB} MiB fp32 "
                                f"(read + write counted) in {m.copy[1] * 1e3:.2f} ms"),
-            "hbm_efficiency": _figure(_round(min(1.0, elem_gbs / copy_gbs)), "measured: SiLU(x) * y on "
-                                      f"{m.elementwise[0] // 3 // MIB} MiB tensors (3 tensors moved, "
-                                      f"fresh output allocated) reaches {elem_gbs:.2f} GB/s of the copy "
-                                      f"bandwidth {copy_gbs:.2f} GB/s"),
+            **_memory_bound(m, copy_gbs),
             "gemm_efficiency": _figure(efficiency_curve(mix), gemm_source),
             "attention_forward_efficiency": _figure(
                 efficiency_curve(fwd), f"measured: the runtime's CPU attention (explicit masked "
@@ -436,10 +523,12 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     import torch
 
     from runtime import microbench as mb
+    from runtime.allocator import keep_freed_memory
     from runtime.validate import VALIDATION_MODEL
 
     threads = 1
     torch.set_num_threads(threads)
+    keep_freed_memory()  # the ranks' allocator regime (runtime/allocator.py)
     load_before = _loadavg()
     spec = VALIDATION_MODEL
     a = spec.layers[0]
@@ -461,8 +550,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     step("memory-bound ops")
     copy_bytes = 64 * MIB
     copy = (2 * copy_bytes, mb.copy_seconds(copy_bytes, budget))
-    act = 2048 * spec.ffn * 4  # SwiGLU's product at the largest rank's activations (fp32)
-    elementwise = (3 * act, mb.silu_mul_seconds(act, budget))
+    elementwise = [(n, mb.layer_elementwise_seconds(spec, n, budget)) for n in ELEMENTWISE_TOKENS]
     overhead = mb.op_overhead_seconds()
     tiny = mb.tiny_step_seconds(_tiny_spec(), TINY_SEQ, TINY_SEQ, steps=10 if quick else 30)
     optimizer = mb.optimizer_seconds(spec)
@@ -478,12 +566,12 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
         step(f"collectives, world size {world}")
         sizes = QUICK_COLLECTIVE_SIZES if quick else COLLECTIVE_SIZES
         collectives[world] = mb.collective_seconds(world, sizes, threads=threads,
-                                                   budget_s=0.03 if quick else 0.2)
+                                                   repeats=3 if quick else 7)
     return Measurements(
         host=mb.host_name(), cpu=_cpu_name(), date=dt.date.today().isoformat(),
         load=f"{load_before} -> {_loadavg()}", threads=threads, memory_bytes=_mem_total(),
         baseline_rss_bytes=rss, gemm=gemm, attention=attention, masked_attention=masked,
-        copy=copy, elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
+        copy=copy, layer_elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
         collectives=collectives, linear=linear, dense_attention=dense,
         tiny_step=(tiny, step_kernels(_tiny_spec(), TINY_SEQ)), optimizer=optimizer,
         notes=["Quick calibration: fewer sizes and repeats."] if quick else [])
@@ -502,13 +590,16 @@ def step_kernels(spec, seq_len: int) -> int:
 
 
 def residuals(profile: HardwareProfile, m: Measurements) -> list[dict]:
-    """Fitted collective model vs every measured call (the check of the fit's mechanisms)."""
+    """Every measured call against its price from the table and from the alpha-beta fit (what
+    group sizes without a table get): the check of the fit's mechanisms."""
     rows = []
     for world, table in sorted(m.collectives.items()):
         for (op, n_bytes), seconds in sorted(table.items()):
             predicted = collective_seconds(profile, op, n_bytes, world)
+            alpha_beta = collective_seconds(profile, op, n_bytes, world, measured=False)
             rows.append({"world": world, "op": op, "bytes": n_bytes, "measured_s": seconds,
-                         "predicted_s": predicted, "error": predicted / seconds - 1})
+                         "predicted_s": predicted, "error": predicted / seconds - 1,
+                         "alpha_beta_s": alpha_beta, "alpha_beta_error": alpha_beta / seconds - 1})
     return rows
 
 
@@ -551,7 +642,7 @@ def run(args: argparse.Namespace) -> int:
                                                 default_flow_style=None))
     profile = load_profile(str(out))
     rows = residuals(profile, m)
-    errors = sorted(abs(r["error"]) for r in rows)
+    errors = sorted(abs(r["alpha_beta_error"]) for r in rows)
     check = dense_attention_check(profile, m)
     summary = {"profile": str(out), "name": args.name, "host": m.host, "date": m.date, "load": m.load,
                "attention_fit_median_abs_error": statistics.median(abs(r["error"]) for r in check)
@@ -559,6 +650,7 @@ def run(args: argparse.Namespace) -> int:
                "attention_fit_max_abs_error": max(abs(r["error"]) for r in check) if check else None,
                "attention_fit": check,
                "peak_tflops": profile.gpu.peak_tflops, "cores": profile.node.cores,
+               # the table reproduces its own points; the alpha-beta fit is what the check is of
                "collective_fit_median_abs_error": statistics.median(errors),
                "collective_fit_max_abs_error": errors[-1], "collective_fit": rows}
     if args.json:
@@ -581,13 +673,15 @@ def _print_summary(console, profile: HardwareProfile, summary: dict) -> None:
     out.print(f"wrote {summary['profile']} (host {summary['host']}, load {summary['load']})")
     out.print(f"peak {profile.gpu.peak_tflops * 1e3:.1f} GFLOP/s per rank, copy "
               f"{profile.gpu.hbm_gbs:.1f} GB/s, {profile.node.cores:.2f} cores shared by the ranks")
-    table = Table(title="gloo collectives: fitted model vs measured")
-    for col in ("world", "op", "bytes", "measured", "predicted", "error"):
+    table = Table(title="gloo collectives: measured calls (the profile's table) vs the alpha-beta fit")
+    for col in ("world", "op", "bytes", "measured", "table", "alpha-beta", "error"):
         table.add_column(col, justify="right")
     for r in summary["collective_fit"]:
         table.add_row(str(r["world"]), r["op"], f"{r['bytes'] // KIB} KiB", f"{r['measured_s'] * 1e3:.2f} ms",
-                      f"{r['predicted_s'] * 1e3:.2f} ms", f"{r['error']:+.0%}")
+                      f"{r['predicted_s'] * 1e3:.2f} ms", f"{r['alpha_beta_s'] * 1e3:.2f} ms",
+                      f"{r['alpha_beta_error']:+.0%}")
     out.print(table)
-    out.print(f"median |error| {summary['collective_fit_median_abs_error']:.0%}, max "
+    out.print(f"alpha-beta fit (group sizes without a table): median |error| "
+              f"{summary['collective_fit_median_abs_error']:.0%}, max "
               f"{summary['collective_fit_max_abs_error']:.0%}")
 

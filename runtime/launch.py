@@ -319,6 +319,7 @@ def _rank_main(rank: int, world: int, init: str, jobs: list, device: str, timeou
     import torch
     import torch.distributed as dist
 
+    from runtime.allocator import keep_freed_memory
     from runtime.train import RankFailure, run_jobs
 
     try:
@@ -326,6 +327,7 @@ def _rank_main(rank: int, world: int, init: str, jobs: list, device: str, timeou
             torch.cuda.set_device(rank)
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            keep_freed_memory()
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init,
                                 rank=rank, world_size=world, timeout=timeout)

@@ -14,24 +14,69 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from runtime.allocator import keep_freed_memory
+
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+GAP_S = 0.03  # compute before each timed collective: a layer's share of a validation step
 
 
-def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of `fn()` in seconds over `repeats` calls after `warmup` calls."""
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1, cold: bool = False) -> float:
+    """Median wall time of `fn()` in seconds over `repeats` calls after `warmup` calls;
+    `cold`: each call after `evict_caches()`."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if cold:
+            evict_caches()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def op_seconds(fn: Callable[[], object], budget_s: float, lo: int = 3, cold: bool = True) -> float:
+    """Median seconds of `fn()`, repeated as often as `budget_s` of its own time allows; `cold`
+    (default): as a training step meets it, every call after `evict_caches()`."""
+    first = median_time(fn, 1, cold=cold)
+    return median_time(fn, repeats_for(first, budget_s, lo, hi=50 if cold else 200), cold=cold)
+
+
+def private_cache_bytes() -> int:
+    """Bytes of a core's own largest cache (L2 on current x86 hosts, from sysfs; 2 MiB if the
+    host does not say)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            shared = (index / "shared_cpu_list").read_text().strip()
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if "," not in shared and "-" not in shared and text.endswith("K"):  # this core's alone
+            best = max(best, int(text[:-1]) * 1024)
+    return best or 2 * 1024**2
+
+
+_EVICT: list[torch.Tensor] = []
+
+
+def evict_caches() -> None:
+    """Overwrite four times a core's private cache, so the next op finds none of its data there.
+
+    In a training step every op follows other ops that filled the cache with their own data; a
+    microbenchmark repeating one op back to back finds its inputs and outputs still cached.
+    Measured on this host: explicit attention on 512 x 512 and 512 x 1024 score tiles (4-8 MiB
+    against a 2 MiB L2) takes 6-14 % longer cold, which a validation run sees in every step.
+    """
+    if not _EVICT:
+        _EVICT.append(torch.empty(4 * private_cache_bytes() // 4))
+    _EVICT[0].fill_(1.0)
 
 
 def repeats_for(seconds_per_call: float, budget_s: float, lo: int = 3, hi: int = 200) -> int:
@@ -44,23 +89,46 @@ def gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, budget_s: float = 0
     """Seconds for one (m x k) @ (k x n) product."""
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
-    first = median_time(lambda: a @ b, repeats=1)
-    return median_time(lambda: a @ b, repeats_for(first, budget_s))
+    return op_seconds(lambda: a @ b, budget_s, cold=False)  # the peak: data in cache
 
 
 def copy_seconds(n_bytes: int, budget_s: float = 0.3) -> float:
     """Seconds to copy `n_bytes` between two preallocated fp32 tensors (read + write)."""
     src = torch.randn(n_bytes // 4)
     dst = torch.empty_like(src)
-    first = median_time(lambda: dst.copy_(src), repeats=1)
-    return median_time(lambda: dst.copy_(src), repeats_for(first, budget_s))
+    return op_seconds(lambda: dst.copy_(src), budget_s, cold=False)  # 128 MiB: no cache holds it
 
 
-def silu_mul_seconds(n_bytes: int, budget_s: float = 0.3) -> float:
-    """Seconds of SwiGLU's elementwise part, silu(x) * y, on fp32 tensors of `n_bytes` each."""
-    x, y = torch.randn(n_bytes // 4), torch.randn(n_bytes // 4)
-    fn = lambda: torch.nn.functional.silu(x) * y  # noqa: E731
-    return median_time(fn, repeats_for(median_time(fn, repeats=1), budget_s))
+def layer_elementwise_seconds(spec, tokens: int, budget_s: float = 0.3) -> float:
+    """Seconds of one layer's memory-bound ops as the runtime trains them under full
+    checkpointing (forward without grad, forward again recording autograd, backward): two
+    RMSNorms, RoPE on q and k, two residual adds and SwiGLU's silu(gate) * up, eager, each op
+    its own pass over memory (the step graph prices them as fused)."""
+    from runtime.model import RMSNorm, apply_rope, rope_tables
+
+    a, h = spec.layers[0], spec.hidden
+
+    def act(*shape: int) -> torch.Tensor:
+        return torch.randn(1, tokens, *shape, requires_grad=True)
+
+    x, attn_out, mlp_out = act(h), act(h), act(h)
+    q, k = act(a.n_heads, a.head_dim), act(a.n_kv_heads, a.head_dim)
+    gate, up = act(spec.ffn), act(spec.ffn)
+    norms = RMSNorm(h), RMSNorm(h)
+    cos, sin = rope_tables(torch.arange(tokens), a.head_dim)
+
+    def forward() -> list[torch.Tensor]:
+        mid = x + attn_out
+        return [norms[0](x), apply_rope(q, cos, sin), apply_rope(k, cos, sin), norms[1](mid),
+                torch.nn.functional.silu(gate) * up, mid + mlp_out]
+
+    def train() -> None:
+        with torch.no_grad():
+            forward()
+        outs = forward()
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    return op_seconds(train, budget_s, lo=5)
 
 
 def attention_flop(queries: int, keys: int, head_dim: int, heads: int) -> float:
@@ -96,8 +164,8 @@ def attention_tile_seconds(spec, tile: int, allowed: torch.Tensor, budget_s: flo
         out.sum().backward()
 
     with torch.set_grad_enabled(grad_forward):
-        t_fwd = median_time(fwd, repeats_for(median_time(fwd, 1), budget_s / 3))
-    t_both = median_time(both, repeats_for(median_time(both, 1), budget_s))
+        t_fwd = op_seconds(fwd, budget_s / 3)
+    t_both = op_seconds(both, budget_s)
     return t_fwd, max(t_both - t_fwd, 1e-9)
 
 
@@ -136,8 +204,8 @@ def linear_seconds(m: int, k: int, n: int, budget_s: float = 0.3) -> tuple[float
     def both() -> None:
         lin(x).sum().backward()
 
-    t_fwd = median_time(fwd, repeats_for(median_time(fwd, 1), budget_s / 3))
-    t_both = median_time(both, repeats_for(median_time(both, 1), budget_s))
+    t_fwd = op_seconds(fwd, budget_s / 3)
+    t_both = op_seconds(both, budget_s)
     return t_fwd, max(t_both - t_fwd, 1e-9)
 
 
@@ -189,8 +257,8 @@ def bd3lm_call_seconds(spec, seq_len: int, block: int, queries: int, where: str,
         out, _ = attention_with_lse(q, k, v, allowed, scale)
         out.sum().backward()
 
-    t_fwd = median_time(fwd, repeats_for(median_time(fwd, 1), budget_s / 2, lo=5))
-    t_both = median_time(both, repeats_for(median_time(both, 1), budget_s, lo=5))
+    t_fwd = op_seconds(fwd, budget_s / 2, lo=5)
+    t_both = op_seconds(both, budget_s, lo=5)
     return t_fwd, max(t_both - t_fwd, 1e-9), float(allowed.float().mean())
 
 
@@ -216,7 +284,7 @@ def optimizer_seconds(spec, repeats: int = 10) -> tuple[int, float]:
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    return sum(p.numel() for p in model.parameters()), median_time(opt.step, repeats, warmup=2)
+    return sum(p.numel() for p in model.parameters()), median_time(opt.step, repeats, warmup=2, cold=True)
 
 
 def op_overhead_seconds(repeats: int = 2000) -> float:
@@ -235,7 +303,8 @@ class _Job:
     threads: int
     sizes: tuple[int, ...] = ()
     ops: tuple[str, ...] = ()
-    budget_s: float = 0.2
+    repeats: int = 7
+    gap_s: float = 0.0
     gemm: int = 512
     seconds: float = 1.0
 
@@ -281,6 +350,7 @@ def _run_workers(job: _Job, timeout_s: float) -> list[dict]:
 
 def _worker(rank: int, job: _Job, queue) -> None:
     torch.set_num_threads(job.threads)
+    keep_freed_memory()
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated collective names
     try:
         if job.kind == "gemm-load":
@@ -334,35 +404,49 @@ def _collective_call(op: str, n_bytes: int, rank: int, world: int) -> Callable[[
 
 
 def _collectives(rank: int, job: _Job) -> dict:
-    """Per (op, size): this rank's median seconds, each call started after a barrier."""
+    """Per (op, size): (entry, exit) clock readings of each timed call on this rank.
+
+    Each call follows `job.gap_s` of GEMMs, the same work on every rank, as the runtime calls
+    its collectives between layers of compute: a call made back to back with the previous one
+    finds gloo's threads awake and its buffers in cache, and measured 0.6 ms for 512 KiB at
+    world size 2 where the same call after 50 ms of compute took 1.5-2 ms (4 ms -> 10 ms at
+    world size 4, whose ranks wait for a core). CLOCK_MONOTONIC readings are comparable across
+    the host's processes, so the parent can time each call from the last rank's arrival.
+    """
+    a = torch.randn(job.gemm, job.gemm)
+    per_gemm = median_time(lambda: a @ a, 20, warmup=3)
+    probe = torch.tensor([per_gemm])
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # the same GEMM count on every rank
+    gemms = max(1, round(job.gap_s / float(probe)))
     out = {}
     for n_bytes in job.sizes:
         for op in job.ops:
             call = _collective_call(op, n_bytes, rank, job.world)
-
-            def timed() -> float:
+            call()  # warm-up: allocation, connection set-up
+            stamps = []
+            for _ in range(job.repeats):
                 dist.barrier()
+                for _ in range(gemms):
+                    a @ a
                 start = time.perf_counter()
                 call()
-                return time.perf_counter() - start
-
-            first = timed()
-            # every rank must run the same number of calls: agree on the slowest first call
-            probe = torch.tensor([first])
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-            reps = repeats_for(float(probe), job.budget_s, lo=3, hi=30)
-            out[(op, n_bytes)] = statistics.median(timed() for _ in range(reps))
+                stamps.append((start, time.perf_counter()))
+            out[(op, n_bytes)] = stamps
     return out
 
 
 def collective_seconds(world: int, sizes: Sequence[int], ops: Sequence[str] = COLLECTIVES,
-                       threads: int = 1, budget_s: float = 0.2,
+                       threads: int = 1, repeats: int = 7, gap_s: float = GAP_S,
                        timeout_s: float = 300.0) -> dict[tuple[str, int], float]:
-    """Seconds per call of each collective of the runtime's comm layer (gloo) and size: the
-    slowest rank's median."""
-    job = _Job("collectives", world, _free_port(), threads, tuple(sizes), tuple(ops), budget_s)
+    """Seconds per call of each collective of the runtime's comm layer (gloo) and size, called
+    after `gap_s` of compute: median over calls of (last rank out - last rank in), the time a
+    collective takes once its members are all there (how the step graph prices it)."""
+    job = _Job("collectives", world, _free_port(), threads, tuple(sizes), tuple(ops),
+               repeats=repeats, gap_s=gap_s)
     per_rank = _run_workers(job, timeout_s)
-    return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+    return {key: statistics.median(max(r[key][i][1] for r in per_rank)
+                                   - max(r[key][i][0] for r in per_rank) for i in range(repeats))
+            for key in per_rank[0]}
 
 
 def gemm_rate_under_load(procs: int, threads: int = 1, size: int = 512, seconds: float = 1.0,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import checkpoint, faults
+from runtime.allocator import keep_freed_memory
 from runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
 from runtime.model import BlockDiffusionLM
 from runtime.plans import dp, rank_work
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     device = device_for(int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     try:

@@ -26,7 +26,8 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
     gpu = profile.gpu
     flops, nbytes = np.asarray(work.flops), np.asarray(work.bytes)
     if work.kind in ("elementwise", "optimizer"):
-        busy = nbytes / (gpu.hbm_gbs * GB * gpu.hbm_efficiency)
+        own = gpu.optimizer_efficiency if work.kind == "optimizer" else None
+        busy = nbytes / (gpu.hbm_gbs * GB * (own or gpu.hbm_efficiency))
     elif work.kind == "gemm":
         eff = np.array([profile.gemm_efficiency(f / work.kernels / 1e9) if f else 1.0 for f in flops])
         busy = flops / (gpu.peak_tflops * 1e12 * eff)
@@ -102,10 +103,19 @@ def p2p_seconds(recv_bytes: float, link: Link) -> float:
 
 
 def collective_seconds(work: Comm, recv_bytes: float, profile: HardwareProfile) -> float:
-    """Seconds for one member that receives `recv_bytes` in this collective."""
+    """Seconds for one member that receives `recv_bytes` in this collective.
+
+    A measured host's own table of calls (`Link.call_seconds`, by group size) takes precedence
+    over the alpha-beta formulas inside one node.
+    """
     if recv_bytes <= 0:
         return 0.0
     group = work.group
+    if not group.spans_nodes:
+        op = "send_recv" if work.collective == "p2p" else work.collective.replace("-", "_")
+        measured = profile.links.nvlink.measured_seconds(op, group.size, recv_bytes)
+        if measured is not None:
+            return measured
     if work.collective in ("all-gather", "reduce-scatter", "all-reduce"):  # all-reduce = RS + AG
         return ring_seconds(work.collective.replace("-", "_"), recv_bytes, group, profile)
     if work.collective == "all-to-all":

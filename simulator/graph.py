@@ -136,8 +136,11 @@ class StepGraph:
 
     @classmethod
     def build(cls, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
-              gpus_per_node: int) -> "StepGraph":
-        return _Builder(model, workload, plan, layout, gpus_per_node).build()
+              gpus_per_node: int, one_bucket: bool = False) -> "StepGraph":
+        """`one_bucket`: reduce all gradients in one call after the backward pass, as a step
+        that overlaps nothing does (per-layer buckets exist to hide behind the next layer's
+        backward; without overlap each would only add a call's latency)."""
+        return _Builder(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket).build()
 
     def flops(self, include_recompute: bool = True) -> np.ndarray:
         """FLOPs each representative rank executes in one step."""
@@ -292,8 +295,10 @@ class _Builder:
     """Appends the ops of one step in program order; each helper returns the ops that end it."""
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
-                 gpus_per_node: int, ops: list | None = None, notes: list | None = None) -> None:
+                 gpus_per_node: int, ops: list | None = None, notes: list | None = None,
+                 one_bucket: bool = False) -> None:
         self.m, self.w, self.p, self.lay = model, workload, plan, layout
+        self.one_bucket = one_bucket
         self.obj: ObjectiveShape = objective_shape(workload, model)
         self.gpn = gpus_per_node
         self.n = layout.size
@@ -644,6 +649,11 @@ class _Builder:
         head = m.vocab * m.hidden / tp
         return head, m.embedding_params() / tp - head + cond
 
+    def trained_params(self) -> tuple[float, float]:
+        """(dense, expert) parameters one rank trains: every layer plus the edges."""
+        layers = [self.layer_params(a) for a in self.m.layers]
+        return sum(d for d, _ in layers) + sum(self.edge_params()), sum(e for _, e in layers)
+
     def grad_sync(self, layer: int | None, dense: float, expert: float, x: Deps) -> Deps:
         """Reduce one bucket of gradients over its data-parallel group (ZeRO >= 1: reduce-scatter)."""
         collective: Collective = "reduce-scatter" if self.w.zero_stage >= 1 else "all-reduce"
@@ -666,8 +676,7 @@ class _Builder:
         return out
 
     def optimizer(self) -> Compute:
-        dense = sum(self.layer_params(a)[0] for a in self.m.layers) + sum(self.edge_params())
-        expert = sum(self.layer_params(a)[1] for a in self.m.layers)
+        dense, expert = self.trained_params()
         if self.w.zero_stage >= 1:
             dense, expert = dense / self.g_dense.size, expert / self.g_expert.size
         return self.memory_bound((dense + expert) * ADAMW_BYTES_PER_PARAM, "optimizer")
@@ -727,14 +736,17 @@ class _Builder:
             self.notes.append("MoE: balanced routing; experts sharded over ep and not "
                               "tensor-parallel; each sequence-parallel shard routes its own tokens")
         reduce = "reduce-scatter" if w.zero_stage else "all-reduce"
-        self.notes.append(f"gradients: {reduce} in {w.dtype} per layer bucket over the dp x ctx "
-                          "(x ep) ranks, hidden behind the next layer's backward"
+        buckets = ("one bucket after the backward pass (nothing to hide behind)" if self.one_bucket
+                   else "per layer bucket")
+        self.notes.append(f"gradients: {reduce} in {w.dtype} {buckets} over the dp x ctx "
+                          "(x ep) ranks" + ("" if self.one_bucket else ", hidden behind the next layer's backward")
                           + ("; updated parameters all-gathered after the optimizer, not hidden "
                              "behind the next step" if w.zero_stage in (1, 2) else ""))
         embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
         # the LM head's backward: input and weight gradients, or the input gradient of a frozen head
         head_ratio = 1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO
         grads, x = (), ()
+        bucketed = not self.one_bucket
         if obj.canvas_passes:
             x = self.canvas_pass(x)
         for v in range(obj.views):
@@ -750,7 +762,7 @@ class _Builder:
             x = self.add("lm-head-bwd", "backward", None, self.gemm(
                 head_ratio * 2 * self.noisy * h * V / self.tp, 2 if head_ratio > 1 else 1), x)
             x = self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", self.noisy), x)
-            if last_view and head_params and not m.tie_embeddings:
+            if last_view and bucketed and head_params and not m.tie_embeddings:
                 grads += self.grad_sync(None, head_params, 0.0, x)
             prefetch = ()
             for li in range(len(layers) - 1, -1, -1):
@@ -760,19 +772,19 @@ class _Builder:
                 if recompute:  # rerun the layer from its checkpointed input, then backward
                     x = self.layer(li, a, "recompute", x + prefetch)
                 x = self.layer(li, a, "backward", x + prefetch)
-                if last_view:
+                if last_view and bucketed:
                     grads += self.grad_sync(li, *self.layer_params(a), x)
             x = self.add("fc-conditioning-bwd", "backward", None, self.conditioning(True), x)
             if not obj.frozen_embeddings:
                 x = self.add("embed-bwd", "backward", None, embed, x)
-            if last_view:
+            if last_view and bucketed:
                 tied = head_params if m.tie_embeddings else 0.0
                 grads += self.grad_sync(None, edge_params + tied, 0.0, x)
+            elif last_view:  # every gradient at once
+                grads += self.grad_sync(None, *self.trained_params(), x)
         step = self.add("adamw", "optimizer", None, self.optimizer(), x, grads)
         if w.zero_stage in (1, 2):
-            dense = sum(self.layer_params(a)[0] for a in layers) + head_params + edge_params
-            expert = sum(self.layer_params(a)[1] for a in layers)
-            self.param_gather("updated-params", "param-sync", None, dense, expert, step)
+            self.param_gather("updated-params", "param-sync", None, *self.trained_params(), step)
         return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.views, tuple(self.notes))
 
     def model_flops(self) -> float:

@@ -46,10 +46,15 @@ _X = Annotated[float, Field(gt=0, strict=True)]
 _Y = Annotated[float, Field(gt=0, le=1, strict=True)]
 Curve = Annotated[tuple[tuple[_X, _Y], ...], Field(min_length=1), AfterValidator(_increasing), FIGURE]
 OptionalPositive = Annotated[float | None, Field(gt=0, strict=True), FIGURE]
+OptionalFraction = Annotated[float | None, Field(gt=0, le=1, strict=True), FIGURE]
 OptionalCurve = Annotated[tuple[tuple[_X, _Y], ...] | None, Field(min_length=1),
                           AfterValidator(lambda c: c if c is None else _increasing(c)), FIGURE]
 
 CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv"]
+# measured hosts: {group size: {op: ((bytes each member receives, seconds of one call), ...)}}
+_Seconds = Annotated[float, Field(gt=0, strict=True)]
+CallTable = Annotated[tuple[tuple[_X, _Seconds], ...], Field(min_length=2), AfterValidator(_increasing)]
+CallTables = Annotated[dict[Annotated[int, Field(gt=1)], dict[CollectiveOp, CallTable]] | None, FIGURE]
 
 
 def interpolate(curve: Sequence[Sequence[float]], x: float, log_x: bool = True) -> float:
@@ -86,6 +91,7 @@ class GPU(BaseModel):
     attention_backward_efficiency: Curve
     masked_attention_efficiency_factor: Fraction  # multiplier for partially masked tiles
     op_overhead_us: OptionalPositive = None  # fixed cost per op (launch, dispatch); None = ignore
+    optimizer_efficiency: OptionalFraction = None  # the optimizer's own; None = hbm_efficiency
     # True: attention computes every score of the queries x keys a rank holds, masked or not
     # (explicit math on CPU), so its work is that rectangle, not the mask's pairs
     dense_attention: Annotated[bool, Field(strict=True), FIGURE] = False
@@ -160,6 +166,22 @@ class Link(BaseModel):
     size_efficiency: Curve  # [bytes per rank, fraction of the asymptotic bandwidth]
     all_reduce_gbs: OptionalPositive = None  # bus bandwidth if it differs from collective_gbs
     reduce_scatter_gbs: OptionalPositive = None  # (gloo emulates it: see hardware_profiles/README)
+    call_seconds: CallTables = None  # measured calls, used instead of alpha-beta where they exist
+
+    def measured_seconds(self, op: CollectiveOp, group_size: int, received: float) -> float | None:
+        """Seconds of one call from the measured table of this op and group size, or None.
+
+        Read in log-log between measured sizes; below the smallest, its time (latency-bound);
+        above the largest, extended at the marginal bandwidth of the last two sizes.
+        """
+        table = (self.call_seconds or {}).get(group_size, {}).get(op)
+        if table is None:
+            return None
+        (b0, t0), (b1, t1) = table[-2], table[-1]
+        if received >= b1:
+            return t1 + (received - b1) * max(t1 - t0, 0.0) / (b1 - b0)
+        log_t = interpolate([(b, math.log(t)) for b, t in table], max(received, table[0][0]))
+        return math.exp(log_t)
 
     def bus_gbs(self, op: CollectiveOp) -> float:
         """Asymptotic bus bandwidth of one collective (ring formulas for the bytes on the wire)."""

@@ -39,7 +39,8 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     gpus = nodes * profile.node.gpus_per_node
     plan.check_against(model, workload, world=gpus)
     layout = Layout.build(workload, plan)
-    graph = StepGraph.build(model, workload, plan, layout, profile.node.gpus_per_node)
+    graph = StepGraph.build(model, workload, plan, layout, profile.node.gpus_per_node,
+                            one_bucket=not overlap)
     memory = estimate_memory(model, workload, plan, layout, profile)
     notes = list(ASSUMPTIONS) + list(graph.notes)
     used = engine if memory.feasible else "closed-form"

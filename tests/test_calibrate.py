@@ -41,7 +41,7 @@ def _measurements() -> cal.Measurements:
         attention=[(t, 32, b, 4.0 * t * t * 32 * 4 * (2.5 if b else 1), 1e-3 * (t / 128) ** 2)
                    for t in (128, 512) for b in (False, True)],
         masked_attention=(1.0e-3, 1.1e-3), copy=(2 * 64 * 1024**2, 0.01),
-        elementwise=(3 * 64 * 1024**2, 0.03), op_overhead_s=2e-6,
+        layer_elementwise=[(512, 0.004), (1024, 0.009)], op_overhead_s=2e-6,
         gemm_load={1: [100e9], 2: [100e9, 100e9], 4: [50e9] * 4},
         collectives={w: {(op, s): _synthetic_time(op, s, w) for op in ops for s in sizes} for w in (2, 4)})
 
@@ -125,7 +125,7 @@ def test_bad_input_is_one_line_exit_2(args, expected):
 def test_collective_benchmark_runs_through_the_comm_layer():
     from runtime import microbench as mb
 
-    got = mb.collective_seconds(2, [4096], ops=("all_gather", "send_recv"), budget_s=0.01,
+    got = mb.collective_seconds(2, [4096], ops=("all_gather", "send_recv"), repeats=3, gap_s=0.005,
                                 timeout_s=90)
     assert set(got) == {("all_gather", 4096), ("send_recv", 4096)} and all(t > 0 for t in got.values())
 

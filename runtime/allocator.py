@@ -1,0 +1,30 @@
+"""CPU ranks keep the memory they free, as CUDA's caching allocator does on a GPU.
+
+glibc's malloc serves large blocks (the score matrices of explicit attention, 16-64 MiB here)
+with a fresh mmap each time and gives them back on free, so every step faults their pages in
+again: 4 KiB at a time, each fault zeroing its page (about 1.3 us per page measured on the CI
+host; a 1024 x 1024 x 4-head fp32 score matrix is 4096 faults). How many allocations fault
+depends on glibc's adaptive thresholds, so step times wandered by 10-20 % and the DP plan at
+L = 1024 spent a third of its step faulting. With mmap off and trimming off, freed blocks stay
+in the heap and are reused: steps are faster and repeatable, and the microbenchmarks of
+`csbp calibrate` run in the same regime. The cost is the allocator's fragmentation, which the
+peak resident set (what `peak_memory_gib` reports on CPU) includes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+TRIM_ABOVE = 2**31 - 1  # bytes of free heap top before glibc gives any back: the int maximum
+
+
+def keep_freed_memory() -> bool:
+    """Serve every block from the heap and never shrink it; False where malloc is not glibc's."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):  # no C library found, or no mallopt (macOS)
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE))
