@@ -87,6 +87,7 @@ class Measurements:
     # a whole runtime step at negligible arithmetic: (seconds, step-graph kernels it runs)
     tiny_step: tuple[float, int] | None = None
     optimizer: tuple[int, float] | None = None  # (parameters, seconds of one AdamW step)
+    step_load: dict[int, float] = field(default_factory=dict)  # processes -> step seconds each
 
 
 # ---- collective model: the formulas the fit inverts --------------------------------------------
@@ -157,8 +158,8 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
     two = m.collectives[2]
     sizes = sorted({s for _, s in two})
     small, large = sizes[0], sizes[-1]
-    where = ("gloo over TCP loopback, world size 2, one thread per rank, each call after "
-             f"{GAP_S * 1e3:.0f} ms of compute, from the last rank's arrival")
+    where = ("gloo over TCP loopback, world size 2, one thread per rank, the wall time each call "
+             f"adds to a loop of {GAP_S * 1e3:.0f} ms of compute per call")
     # alpha-beta per op: latency from the smallest size, asymptote = the best bandwidth any
     # size reaches once latency is off (the size curve then says how far each size falls short)
     gbs, lat = {}, {}
@@ -230,23 +231,23 @@ def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
     wake_fig = None
     if wakeup and wakeup > 0:
         wake_fig = _figure(_round(wakeup * 1e6), "measured (gloo, world size 4 on this host's cores, "
-                           f"each call after {GAP_S * 1e3:.0f} ms of compute, "
+                           f"the wall time each call adds to a loop of {GAP_S * 1e3:.0f} ms of compute per call, "
                            f"{small4 // KIB} KiB): median over ops of time - world-2 latency model, per call; "
                            f"{', '.join(detail)}; send/recv shows no such delay")
     return link, wakeup or 0.0, {"wakeup_latency_us": wake_fig}
 
 
 def non_decreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in log scale (pool adjacent violators): a larger call
-    never takes less time, so a dip is noise, and pooling averages it with its neighbours
+    """The closest non-decreasing sequence (least squares: pool adjacent violators). A larger
+    call never takes less time, so a dip is noise; pooling averages it with its neighbours
     instead of letting one slow small call set the floor for every size above it."""
-    blocks: list[list[float]] = []  # [mean log, count]
+    blocks: list[list[float]] = []  # [mean, count]
     for v in values:
-        blocks.append([math.log(v), 1])
+        blocks.append([v, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             (a, n), (b, k) = blocks[-2], blocks.pop()
             blocks[-1] = [(a * n + b * k) / (n + k), n + k]
-    return [math.exp(mean) for mean, count in blocks for _ in range(count)]
+    return [mean for mean, count in blocks for _ in range(count)]
 
 
 def _call_tables(m: Measurements, gap_s: float) -> dict:
@@ -263,10 +264,21 @@ def _call_tables(m: Measurements, gap_s: float) -> dict:
     return _figure(tables, (
         f"measured: the runtime's Comm calls (gloo over TCP loopback, one thread per rank) at world "
         f"sizes {', '.join(map(str, sorted(m.collectives)))}, buffers "
-        f"{', '.join(f'{s // KIB} KiB' for s in sizes)}, each call after {gap_s * 1e3:.0f} ms of "
-        "compute (as a training step calls them), median over calls of last rank out - last rank "
-        "in; x = bytes each member receives; made non-decreasing over sizes (pool adjacent "
-        "violators in log time)"))
+        f"{', '.join(f'{s // KIB} KiB' for s in sizes)}: the wall time each call adds to a loop "
+        f"of {gap_s * 1e3:.0f} ms of compute per call (as a training step calls them: wake-up, "
+        "waiting for a core and for the slowest rank included), median of 3 x 8 calls; x = "
+        "bytes each member receives; made non-decreasing over sizes (pool adjacent violators)"))
+
+
+def _sharing(m: Measurements, cpus: int) -> dict:
+    """How much of its cores / ranks share a rank gets with twice as many ranks as cores."""
+    if cpus not in m.step_load or 2 * cpus not in m.step_load:
+        return {}
+    alone, shared = m.step_load[cpus], m.step_load[2 * cpus]
+    return {"sharing_efficiency": _figure(_round(min(1.0, 2 * alone / shared)), (
+        f"measured: the validation model's one-process training step (L = 256) in {cpus} "
+        f"processes at once took {alone * 1e3:.1f} ms, in {2 * cpus} at once {shared * 1e3:.1f} ms "
+        f"(ideal: twice as long): 2 x {alone * 1e3:.1f} / {shared * 1e3:.1f}"))}
 
 
 def _op_overhead(m: Measurements) -> dict:
@@ -473,6 +485,7 @@ def fit_profile(m: Measurements, name: str) -> dict:
                                  for p in sorted(load_rates))
                              + f": {effective:.2f} cores' worth under load {m.load}"),
             **{k: v for k, v in node_extra.items() if v is not None},
+            **_sharing(m, cpus),
         },
         "links": {"nvlink": link},
     }
@@ -561,12 +574,15 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
         results = mb.gemm_rate_under_load(procs, threads, seconds=seconds)
         gemm_load[procs] = [r["flops_per_s"] for r in results]
         rss = max(rss, *(r["baseline_rss_bytes"] for r in results))
+    cpus = len(os.sched_getaffinity(0))
+    step_load = {procs: mb.step_seconds_under_load(procs, seconds=1.0 if quick else 4.0)
+                 for procs in (cpus, 2 * cpus)}
     collectives = {}
     for world in (2, 4):
         step(f"collectives, world size {world}")
         sizes = QUICK_COLLECTIVE_SIZES if quick else COLLECTIVE_SIZES
         collectives[world] = mb.collective_seconds(world, sizes, threads=threads,
-                                                   repeats=3 if quick else 7)
+                                                   repeats=1 if quick else 3, calls=4 if quick else 8)
     return Measurements(
         host=mb.host_name(), cpu=_cpu_name(), date=dt.date.today().isoformat(),
         load=f"{load_before} -> {_loadavg()}", threads=threads, memory_bytes=_mem_total(),
@@ -574,6 +590,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
         copy=copy, layer_elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
         collectives=collectives, linear=linear, dense_attention=dense,
         tiny_step=(tiny, step_kernels(_tiny_spec(), TINY_SEQ)), optimizer=optimizer,
+        step_load=step_load,
         notes=["Quick calibration: fewer sizes and repeats."] if quick else [])
 
 

@@ -297,13 +297,14 @@ def op_overhead_seconds(repeats: int = 2000) -> float:
 
 @dataclass(frozen=True)
 class _Job:
-    kind: str  # "collectives" | "gemm-load"
+    kind: str  # "collectives" | "gemm-load" | "step-load"
     world: int
     port: int
     threads: int
     sizes: tuple[int, ...] = ()
     ops: tuple[str, ...] = ()
-    repeats: int = 7
+    repeats: int = 3
+    calls: int = 8
     gap_s: float = 0.0
     gemm: int = 512
     seconds: float = 1.0
@@ -355,6 +356,8 @@ def _worker(rank: int, job: _Job, queue) -> None:
     try:
         if job.kind == "gemm-load":
             payload = _gemm_load(job)
+        elif job.kind == "step-load":
+            payload = _step_load(job)
         else:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}",
                                     rank=rank, world_size=job.world)
@@ -378,6 +381,25 @@ def _gemm_load(job: _Job) -> dict:
         a @ b
         calls += 1
     return {"flops_per_s": 2 * job.gemm**3 * calls / elapsed, "baseline_rss_bytes": rss}
+
+
+def _step_load(job: _Job) -> float:
+    """Median seconds of the validation model's one-process training step at L = `job.gemm`,
+    stepping for `job.seconds` while the other processes of the job do the same."""
+    from runtime.train import Job, Trainer
+    from runtime.validate import BLOCK, VALIDATION_MODEL
+    from simulator.plan import Plan
+    from simulator.workload import Workload
+
+    w = Workload(seq_len=job.gemm, block_size=BLOCK, dtype="fp32", zero_stage=0)
+    trainer = Trainer(Job(VALIDATION_MODEL, w, Plan()), 0, torch.device("cpu"))
+    trainer.step(0)
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < job.seconds or len(times) < 3:
+        begin = time.perf_counter()
+        trainer.step(1)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
 
 
 def _collective_call(op: str, n_bytes: int, rank: int, world: int) -> Callable[[], object]:
@@ -404,49 +426,54 @@ def _collective_call(op: str, n_bytes: int, rank: int, world: int) -> Callable[[
 
 
 def _collectives(rank: int, job: _Job) -> dict:
-    """Per (op, size): (entry, exit) clock readings of each timed call on this rank.
+    """Per (op, size): the wall time one call adds to a loop of compute, on this rank.
 
-    Each call follows `job.gap_s` of GEMMs, the same work on every rank, as the runtime calls
-    its collectives between layers of compute: a call made back to back with the previous one
-    finds gloo's threads awake and its buffers in cache, and measured 0.6 ms for 512 KiB at
-    world size 2 where the same call after 50 ms of compute took 1.5-2 ms (4 ms -> 10 ms at
-    world size 4, whose ranks wait for a core). CLOCK_MONOTONIC readings are comparable across
-    the host's processes, so the parent can time each call from the last rank's arrival.
+    The runtime calls its collectives between layers of compute, so that is how they are timed:
+    loops of `job.calls` x (`job.gap_s` of GEMMs, the same work on every rank, then the call)
+    against the same loops without the call, interleaved `job.repeats` times; the call's cost is
+    the median difference per call. It includes what a call costs there and nowhere else: gloo's
+    threads waking after the compute (512 KiB at world size 2: 0.6 ms back to back, 1.5-2 ms
+    after 50 ms of compute), ranks waiting for a core to finish it when they outnumber the
+    cores, and every rank waiting for the slowest one's compute, whose time varies a little
+    from call to call.
     """
     a = torch.randn(job.gemm, job.gemm)
-    per_gemm = median_time(lambda: a @ a, 20, warmup=3)
+    per_gemm = median_time(lambda: a @ a, 20, warmup=3)  # all ranks at once: shared cores
     probe = torch.tensor([per_gemm])
     dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # the same GEMM count on every rank
     gemms = max(1, round(job.gap_s / float(probe)))
+
+    def loop(call: Callable[[], object] | None) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(job.calls):
+            for _ in range(gemms):
+                a @ a
+            if call is not None:
+                call()
+        dist.barrier()
+        return time.perf_counter() - start
+
     out = {}
     for n_bytes in job.sizes:
         for op in job.ops:
             call = _collective_call(op, n_bytes, rank, job.world)
             call()  # warm-up: allocation, connection set-up
-            stamps = []
-            for _ in range(job.repeats):
-                dist.barrier()
-                for _ in range(gemms):
-                    a @ a
-                start = time.perf_counter()
-                call()
-                stamps.append((start, time.perf_counter()))
-            out[(op, n_bytes)] = stamps
+            pairs = [(loop(call), loop(None)) for _ in range(job.repeats)]
+            out[(op, n_bytes)] = statistics.median(w - wo for w, wo in pairs) / job.calls
     return out
 
 
 def collective_seconds(world: int, sizes: Sequence[int], ops: Sequence[str] = COLLECTIVES,
-                       threads: int = 1, repeats: int = 7, gap_s: float = GAP_S,
+                       threads: int = 1, repeats: int = 3, calls: int = 8, gap_s: float = GAP_S,
                        timeout_s: float = 300.0) -> dict[tuple[str, int], float]:
-    """Seconds per call of each collective of the runtime's comm layer (gloo) and size, called
-    after `gap_s` of compute: median over calls of (last rank out - last rank in), the time a
-    collective takes once its members are all there (how the step graph prices it)."""
+    """Seconds one call of each collective of the runtime's comm layer (gloo) and size adds to
+    a loop of `gap_s` compute per call (see `_collectives`), as rank 0 measured it (the loops
+    end in a barrier, so every rank sees the same time)."""
     job = _Job("collectives", world, _free_port(), threads, tuple(sizes), tuple(ops),
-               repeats=repeats, gap_s=gap_s)
-    per_rank = _run_workers(job, timeout_s)
-    return {key: statistics.median(max(r[key][i][1] for r in per_rank)
-                                   - max(r[key][i][0] for r in per_rank) for i in range(repeats))
-            for key in per_rank[0]}
+               repeats=repeats, calls=calls, gap_s=gap_s)
+    first = _run_workers(job, timeout_s)[0]
+    return {key: max(seconds, 1e-6) for key, seconds in first.items()}
 
 
 def gemm_rate_under_load(procs: int, threads: int = 1, size: int = 512, seconds: float = 1.0,
@@ -455,6 +482,14 @@ def gemm_rate_under_load(procs: int, threads: int = 1, size: int = 512, seconds:
     and `baseline_rss_bytes`, its resident set after importing torch."""
     job = _Job("gemm-load", procs, 0, threads, gemm=size, seconds=seconds)
     return _run_workers(job, timeout_s)
+
+
+def step_seconds_under_load(procs: int, seq_len: int = 256, seconds: float = 4.0,
+                            timeout_s: float = 120.0) -> float:
+    """Median over `procs` processes training the validation model at once (one process each,
+    no communication) of their median step time: how ranks fare when they share cores."""
+    job = _Job("step-load", procs, 0, 1, gemm=seq_len, seconds=seconds)
+    return statistics.median(_run_workers(job, timeout_s))
 
 
 def resident_high_water() -> int:

@@ -38,6 +38,10 @@ Phase = Literal["forward", "recompute", "backward", "grad-sync", "optimizer", "p
 
 # FlashAttention backward does 5 matmuls against the forward's 2 (FlashAttention-2 paper, sec. 3).
 ATTENTION_BACKWARD_FLOP_RATIO = 2.5
+# Combining partial attention by LSE (out = w out_a + w_b out_b, lse = logaddexp): forward reads
+# both partial outputs and writes one, backward reads the output gradient and writes both
+# partial ones and the output; in query x head x head_dim elements (the LSEs are 1/head_dim).
+MERGE_FORWARD_PASSES, MERGE_BACKWARD_PASSES = 3, 4
 # Training does dgrad + wgrad: a linear layer's backward is twice its forward.
 GEMM_BACKWARD_FLOP_RATIO = 2.0
 # Query/key tile of FA3 at head dim <= 256 (kBlockM = 128): masks not aligned to it waste work.
@@ -534,6 +538,32 @@ class _Builder:
                            lambda: self.attention_work(a, split[part], backward))
         return self.add(split[part][0], phase, li, work, *deps)
 
+    def merge(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
+        """Combine two partial attention outputs by their LSE (memory-bound, per query row)."""
+        passes = MERGE_BACKWARD_PASSES if phase == "backward" else MERGE_FORWARD_PASSES
+        work = self.cached(("merge", a, passes), lambda: self.memory_bound(
+            passes * self.positions * self.w.micro_batch * a.n_heads / self.tp * a.head_dim * self.dt))
+        return self.add("attn.merge", phase, li, work, *deps)
+
+    def pack_kv(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
+        """Copy the K/V rows a rank sends into one buffer (read + write; backward: their
+        gradients added back into dK/dV). All-gather sends one shard to every member, so it is
+        packed once."""
+        exchange = self.lay.exchange(a, "forward")
+        groups = {r: len(g) for g in exchange.groups for r in g}
+
+        def rows() -> np.ndarray:
+            sent = [exchange.rows_sent(r) for r in range(self.n)]
+            if exchange.pattern == "all-gather":
+                sent = [s / max(groups.get(r, 2) - 1, 1) for r, s in enumerate(sent)]
+            return np.array(sent, dtype=float)
+
+        key = ("packed-rows", self.p.transport, a.kind, a.window)
+        nbytes = 2 * self.derived(key, rows) * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
+        work = self.cached(("pack", a, phase == "backward"), lambda: self.memory_bound(
+            nbytes * (1.5 if phase == "backward" else 1.0)))
+        return self.add("kv.pack", phase, li, work, *deps)
+
     def move_kv(self, name: str, li: int, a: AttentionSpec, phase: Phase, step: int,
                 payload: str | None, *deps: Deps) -> Deps:
         """Append one step of the layer kind's K/V exchange in `phase` (rows from the layout)."""
@@ -546,14 +576,14 @@ class _Builder:
         if pattern == "none":
             return self.attend(li, a, phase, pattern, 0, x)
         if pattern != "ring":
-            gather = self.move_kv("kv.gather", li, a, phase, 0, None, x)
+            gather = self.move_kv("kv.gather", li, a, phase, 0, None, self.pack_kv(li, a, phase, x))
             local = self.attend(li, a, phase, pattern, 0, x)
-            return self.attend(li, a, phase, pattern, 1, local, gather)
+            return self.merge(li, a, phase, self.attend(li, a, phase, pattern, 1, local, gather))
         # ring with two K/V buffers: step s lands once step s-2 has been consumed
         done, kv = [self.attend(li, a, phase, pattern, 0, x)], x
         for s in range(1, len(self.split(a, pattern))):
             kv = self.move_kv(f"kv.ring{s}", li, a, phase, s - 1, None, kv, done[s - 2] if s >= 2 else ())
-            done.append(self.attend(li, a, phase, pattern, s, done[-1], kv))
+            done.append(self.merge(li, a, phase, self.attend(li, a, phase, pattern, s, done[-1], kv)))
         return done[-1]
 
     def attention_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
@@ -563,8 +593,8 @@ class _Builder:
         if pattern == "none":
             return self.attend(li, a, ph, pattern, 0, x)
         if pattern != "ring":
-            remote = self.attend(li, a, ph, pattern, 1, x)
-            scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, remote)
+            remote = self.attend(li, a, ph, pattern, 1, self.merge(li, a, ph, x))
+            scatter = self.pack_kv(li, a, ph, self.move_kv("dkv.scatter", li, a, ph, 0, None, remote))
             return self.attend(li, a, ph, pattern, 0, remote) + scatter
         # ring with two K/V buffers: K/V of step s land once step s-2 is consumed; the partial
         # dK/dV of a shard move on after the rank has added its share (step s-1), and the last

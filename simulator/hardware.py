@@ -138,11 +138,16 @@ class Node(BaseModel):
     gpus_per_node: Annotated[int, Field(gt=0, le=MAX_GPUS_PER_NODE, strict=True), FIGURE]
     cores: OptionalPositive = None  # ranks that run at full speed at once; None = one device each
     wakeup_latency_us: OptionalPositive = None  # added per collective call when ranks > cores
+    # when ranks outnumber cores, the fraction of its cores / ranks share a rank really gets
+    # (each switch between ranks on a core leaves the next one a cache full of the other's data)
+    sharing_efficiency: OptionalFraction = None
 
     def core_share(self, ranks: int) -> float:
         """Fraction of its full compute speed each of `ranks` busy ranks on this host gets (1 on
         GPUs). Measured gloo bandwidth does not shrink this way (see runtime/calibrate.py)."""
-        return 1.0 if self.cores is None else min(1.0, self.cores / ranks)
+        if self.cores is None or ranks <= self.cores:
+            return 1.0
+        return self.cores / ranks * (self.sharing_efficiency or 1.0)
 
     def call_wakeup_us(self, ranks: int) -> float:
         """Extra latency of one collective call when ranks outnumber cores: woken ranks wait

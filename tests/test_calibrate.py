@@ -125,7 +125,7 @@ def test_bad_input_is_one_line_exit_2(args, expected):
 def test_collective_benchmark_runs_through_the_comm_layer():
     from runtime import microbench as mb
 
-    got = mb.collective_seconds(2, [4096], ops=("all_gather", "send_recv"), repeats=3, gap_s=0.005,
+    got = mb.collective_seconds(2, [4096], ops=("all_gather", "send_recv"), repeats=1, calls=2, gap_s=0.005,
                                 timeout_s=90)
     assert set(got) == {("all_gather", 4096), ("send_recv", 4096)} and all(t > 0 for t in got.values())
 
@@ -183,3 +183,15 @@ def test_linear_and_tiny_step_figures():
     assert p.gpu.gemm_efficiency[0][1] == pytest.approx(1 / 3, rel=1e-3)
     assert p.gpu.op_overhead_us == pytest.approx(200.0)
     assert "kernels" in p.sources["gpu.op_overhead_us"]
+
+
+def test_sharing_efficiency_slows_only_oversubscribed_ranks():
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    m = _measurements()
+    m.step_load = {cpus: 0.1, 2 * cpus: 0.25}  # 0.2 s would be a fair half of a core
+    p = HardwareProfile.model_validate(cal.fit_profile(m, "synthetic"))
+    assert p.node.sharing_efficiency == pytest.approx(0.8)
+    assert p.node.core_share(cpus) == 1.0
+    assert p.node.core_share(2 * cpus) == pytest.approx(0.5 * 0.8)

@@ -118,8 +118,13 @@ def test_kv_gather_overlaps_local_attention_and_the_rest_waits():
     assert gather.index not in local.deps and gather.index in remote.deps
     back = {op.name: op for op in g.ops if op.layer == 3 and op.phase == "backward"}
     assert back["attn.remote"].index < back["attn.local"].index  # remote first, then overlap
-    assert back["dkv.scatter"].index in back["qkv-bwd"].deps  # dK/dV home before the projection
+    # dK/dV home and added into the owner's gradients before the projection
+    assert back["dkv.scatter"].index in back["kv.pack"].deps
+    assert back["kv.pack"].index in back["qkv-bwd"].deps
     assert back["dkv.scatter"].index not in back["attn.local"].deps
+    # the LSE merge ends the forward and starts the backward of the remote part
+    assert by_name["attn.remote"].index in by_name["attn.merge"].deps
+    assert back["attn.merge"].index in back["attn.remote"].deps
 
 
 def test_pairs_with_keys_counts_the_mask():
