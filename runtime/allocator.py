@@ -8,7 +8,8 @@ depends on glibc's adaptive thresholds, so step times wandered by 10-20 % and th
 L = 1024 spent a third of its step faulting. With mmap off and trimming off, freed blocks stay
 in the heap and are reused: steps are faster and repeatable, and the microbenchmarks of
 `csbp calibrate` run in the same regime. The cost is the allocator's fragmentation, which the
-peak resident set (what `peak_memory_gib` reports on CPU) includes.
+peak resident set (what `peak_memory_gib` reports on CPU) includes; `start_peak` gives the
+kept memory back between jobs so each job's peak is its own.
 """
 
 from __future__ import annotations
@@ -20,11 +21,30 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
 TRIM_ABOVE = 2**31 - 1  # bytes of free heap top before glibc gives any back: the int maximum
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):  # no C library found
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Serve every block from the heap and never shrink it; False where malloc is not glibc's."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):  # no C library found, or no mallopt (macOS)
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # no C library found, or no mallopt (macOS)
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE))
+
+
+def start_peak() -> None:
+    """Give the heap's free memory back to the system and restart the peak resident set
+    (VmHWM), so the peak a job reports is its own, not an earlier job's in the same process."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # Linux >= 4.0: reset the peak RSS to the current RSS
+    except OSError:
+        pass

@@ -88,6 +88,7 @@ class Measurements:
     tiny_step: tuple[float, int] | None = None
     optimizer: tuple[int, float] | None = None  # (parameters, seconds of one AdamW step)
     step_load: dict[int, float] = field(default_factory=dict)  # processes -> step seconds each
+    score_copies: list[tuple[int, int, float]] = field(default_factory=list)  # (q, keys, copies)
 
 
 # ---- collective model: the formulas the fit inverts --------------------------------------------
@@ -268,6 +269,15 @@ def _call_tables(m: Measurements, gap_s: float) -> dict:
         f"of {gap_s * 1e3:.0f} ms of compute per call (as a training step calls them: wake-up, "
         "waiting for a core and for the slowest rank included), median of 3 x 8 calls; x = "
         "bytes each member receives; made non-decreasing over sizes (pool adjacent violators)"))
+
+
+def _score_copies(m: Measurements) -> dict:
+    if not m.score_copies:
+        return {}
+    return {"dense_score_copies": _figure(_round(statistics.median(c for *_, c in m.score_copies)), (
+        "measured: peak resident growth of the runtime's attention_with_lse (forward, recompute, "
+        "backward, keep-freed-memory allocator) over its queries x keys x heads fp32 score matrix, "
+        "median of " + ", ".join(f"{q}x{k}: {c:.1f}" for q, k, c in m.score_copies)))}
 
 
 def _sharing(m: Measurements, cpus: int) -> dict:
@@ -475,6 +485,7 @@ def fit_profile(m: Measurements, name: str) -> dict:
                                        "computes the whole queries x keys score matrix and masks it"),
             "op_overhead_us": _op_overhead(m),
             **_dense_curves(m, peak),
+            **_score_copies(m),
         },
         "node": {
             "gpus_per_node": _figure(4, "ranks per host csbp validate runs (world sizes 2 and 4); "
@@ -565,6 +576,8 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     copy = (2 * copy_bytes, mb.copy_seconds(copy_bytes, budget))
     elementwise = [(n, mb.layer_elementwise_seconds(spec, n, budget)) for n in ELEMENTWISE_TOKENS]
     overhead = mb.op_overhead_seconds()
+    score_copies = [(q, k, mb.attention_peak_scores(spec, q, k, k // 2, BLOCK))
+                    for q, k in ((512, 1024), (1024, 1024), (1024, 2048))]
     tiny = mb.tiny_step_seconds(_tiny_spec(), TINY_SEQ, TINY_SEQ, steps=10 if quick else 30)
     optimizer = mb.optimizer_seconds(spec)
     step("core sharing")
@@ -590,7 +603,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
         copy=copy, layer_elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
         collectives=collectives, linear=linear, dense_attention=dense,
         tiny_step=(tiny, step_kernels(_tiny_spec(), TINY_SEQ)), optimizer=optimizer,
-        step_load=step_load,
+        step_load=step_load, score_copies=score_copies,
         notes=["Quick calibration: fewer sizes and repeats."] if quick else [])
 
 

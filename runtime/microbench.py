@@ -262,6 +262,30 @@ def bd3lm_call_seconds(spec, seq_len: int, block: int, queries: int, where: str,
     return t_fwd, max(t_both - t_fwd, 1e-9), float(allowed.float().mean())
 
 
+def attention_peak_scores(spec, queries: int, keys: int, seq_len: int, block: int) -> float:
+    """Peak resident growth of the runtime's attention on one call (forward, recompute forward,
+    backward, three times), in score matrices of the call (queries x keys x heads, fp32)."""
+    from runtime.allocator import start_peak
+    from runtime.attention import attention_with_lse
+    from simulator.mask import visible
+
+    a = spec.layers[0]
+    g = a.n_heads // a.n_kv_heads
+    q = torch.randn(1, a.n_kv_heads, g, queries, a.head_dim, requires_grad=True)
+    k = torch.randn(1, a.n_kv_heads, keys, a.head_dim, requires_grad=True)
+    v = torch.randn(1, a.n_kv_heads, keys, a.head_dim, requires_grad=True)
+    pos = torch.linspace(0, 2 * seq_len - 1, queries).round().long()
+    allowed = visible(pos[:, None], torch.arange(keys)[None, :], seq_len, block)
+    start_peak()
+    base = resident_high_water()
+    for _ in range(3):
+        with torch.no_grad():
+            attention_with_lse(q, k, v, allowed, a.head_dim ** -0.5)
+        out, _ = attention_with_lse(q, k, v, allowed, a.head_dim ** -0.5)
+        out.sum().backward()
+    return (resident_high_water() - base) / (queries * keys * a.n_heads * 4)
+
+
 def tiny_step_seconds(spec, seq_len: int, block: int, steps: int = 20) -> float:
     """Median seconds of one whole training step of the runtime (one process, all positions) at a
     context so short that arithmetic is negligible: the host overhead (Python, dispatch,

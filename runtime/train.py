@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import checkpoint, faults
-from runtime.allocator import keep_freed_memory
+from runtime.allocator import keep_freed_memory, start_peak
 from runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
 from runtime.model import BlockDiffusionLM
 from runtime.plans import dp, rank_work
@@ -190,6 +190,8 @@ class Trainer:
             else:
                 if job.resume_from:
                     checkpoint.load(job.resume_from, self.model, self.optimizer)
+                if self.device.type == "cpu":
+                    start_peak()
                 losses, times = [], []
                 for step in range(job.start_step, job.end_step):
                     self.on_step(step)

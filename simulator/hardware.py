@@ -95,6 +95,9 @@ class GPU(BaseModel):
     # True: attention computes every score of the queries x keys a rank holds, masked or not
     # (explicit math on CPU), so its work is that rectangle, not the mask's pairs
     dense_attention: Annotated[bool, Field(strict=True), FIGURE] = False
+    # Dense attention: peak memory of one layer's attention in score matrices (queries x keys x
+    # heads x dtype), for the memory model; None = not counted
+    dense_score_copies: OptionalPositive = None
     # Dense attention (CPU): fraction of peak the runtime's explicit attention reaches on the
     # scores it computes, by GFLOP of the call's whole queries x keys rectangle (4 x q x k x
     # head_dim x heads forward, 2.5x that backward): visible scores, and masked ones (their exp

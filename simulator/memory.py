@@ -151,6 +151,22 @@ def loss_bytes(model: ModelSpec, loss_tokens: int, vocab_block: int | None, dtyp
     return loss_chunk_tokens(loss_tokens, vocab, model.hidden) * vocab * dtype_bytes
 
 
+def dense_score_bytes(layout: Layout, a: AttentionSpec, rank: int, micro_batch: int,
+                      dtype_bytes: int, tp: int, copies: float) -> float:
+    """Peak bytes of one layer's explicit attention on `rank` (the CPU runtime materialises the
+    queries x keys scores per head): `copies` score matrices (measured: autograd's saved
+    scores, the temporaries of forward and backward, the allocator's fragmentation) of its
+    queries against its own positions and the K/V rows it holds at once (all received rows;
+    one shard per step of a ring)."""
+    share, exchange = layout.shares[rank], layout.exchange(a, "forward")
+    if exchange.pattern == "ring":
+        held = max((sum(t.n_rows for t in s.transfers if t.dst == rank) for s in exchange.steps), default=0)
+    else:
+        held = exchange.rows_received(rank)
+    keys = share.n_positions + held
+    return copies * micro_batch * share.n_positions * keys * a.n_heads / tp * dtype_bytes
+
+
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                     profile: HardwareProfile) -> MemoryEstimate:
     dt, tp, mb, L = workload.dtype_bytes, plan.tp, workload.micro_batch, workload.seq_len
@@ -179,6 +195,10 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
             activations += context_bytes(model, kinds, context, dt, tp, keep_kv=not full_ckpt)
         logits = loss_bytes(model, noisy, obj.vocab_block, dt, tp)
         parts = {**weights, "activations": activations, "kv_buffers": kv_buffers, "logits": logits}
+        copies = profile.gpu.dense_score_copies
+        if profile.gpu.dense_attention and copies:
+            parts["attention_scores"] = max(dense_score_bytes(layout, a, r, mb, dt, tp, copies)
+                                            for a in kinds)
         gib = {k: v / GIB for k, v in parts.items()}
         gib["reserved"] = profile.gpu.reserved_gib
         per_rank.append(gib)
