@@ -594,8 +594,9 @@ class _Builder:
             return self.attend(li, a, ph, pattern, 0, x)
         if pattern != "ring":
             remote = self.attend(li, a, ph, pattern, 1, self.merge(li, a, ph, x))
-            scatter = self.pack_kv(li, a, ph, self.move_kv("dkv.scatter", li, a, ph, 0, None, remote))
-            return self.attend(li, a, ph, pattern, 0, remote) + scatter
+            scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, remote)
+            local = self.attend(li, a, ph, pattern, 0, remote)  # while dK/dV travel home
+            return local + self.pack_kv(li, a, ph, scatter, local)
         # ring with two K/V buffers: K/V of step s land once step s-2 is consumed; the partial
         # dK/dV of a shard move on after the rank has added its share (step s-1), and the last
         # hop takes them home. K/V go first so they never queue behind a dK/dV hop.
