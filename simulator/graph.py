@@ -51,6 +51,7 @@ DELTA_RULE_CHUNK = 64
 # Fused AdamW per parameter: reads fp32 master, m, v and a bf16 grad, writes master, m, v and the
 # bf16 weight: 3*4+2 bytes each way.
 ADAMW_BYTES_PER_PARAM = 28
+LOSS_BYTES = 4  # the step's loss, fp32
 
 PerRank = tuple[float, ...]
 
@@ -813,7 +814,11 @@ class _Builder:
                 grads += self.grad_sync(None, edge_params + tied, 0.0, x)
             elif last_view:  # every gradient at once
                 grads += self.grad_sync(None, *self.trained_params(), x)
-        step = self.add("adamw", "optimizer", None, self.optimizer(), x, grads)
+        # the step's loss summed over every rank (to check it and to log it): one fp32 scalar,
+        # nothing on a GPU cluster, a whole call's wake-up on a CPU host
+        loss = self.add("loss.all-reduce", "grad-sync", None, self.comm(
+            "all-reduce", LOSS_BYTES * 2 * self.ring_share(self.g_dense), self.g_dense, "other"), x, grads)
+        step = self.add("adamw", "optimizer", None, self.optimizer(), x, grads, loss)
         if w.zero_stage in (1, 2):
             self.param_gather("updated-params", "param-sync", None, *self.trained_params(), step)
         return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.views, tuple(self.notes))
