@@ -88,6 +88,7 @@ class Measurements:
     tiny_step: tuple[float, int] | None = None
     optimizer: tuple[int, float] | None = None  # (parameters, seconds of one AdamW step)
     step_load: dict[int, float] = field(default_factory=dict)  # processes -> step seconds each
+    probe: tuple[float, float] | None = None  # reference step seconds, start and end of the run
     score_copies: list[tuple[int, int, float]] = field(default_factory=list)  # (q, keys, copies)
 
 
@@ -278,6 +279,16 @@ def _score_copies(m: Measurements) -> dict:
         "measured: peak resident growth of the runtime's attention_with_lse (forward, recompute, "
         "backward, keep-freed-memory allocator) over its queries x keys x heads fp32 score matrix, "
         "median of " + ", ".join(f"{q}x{k}: {c:.1f}" for q, k, c in m.score_copies)))}
+
+
+def _probe(m: Measurements) -> dict:
+    if m.probe is None:
+        return {}
+    start, end = m.probe
+    return {"probe_step_s": _figure(_round((start + end) / 2), (
+        "measured: the validation model's one-process training step at L = 256, median of 8, "
+        f"{start * 1e3:.1f} ms as the calibration began and {end * 1e3:.1f} ms as it ended; "
+        "csbp validate re-times it to report the host's drift since"))}
 
 
 def _sharing(m: Measurements, cpus: int) -> dict:
@@ -497,6 +508,7 @@ def fit_profile(m: Measurements, name: str) -> dict:
                              + f": {effective:.2f} cores' worth under load {m.load}"),
             **{k: v for k, v in node_extra.items() if v is not None},
             **_sharing(m, cpus),
+            **_probe(m),
         },
         "links": {"nvlink": link},
     }
@@ -553,6 +565,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     threads = 1
     torch.set_num_threads(threads)
     keep_freed_memory()  # the ranks' allocator regime (runtime/allocator.py)
+    probe_start = mb.probe_step_seconds()
     load_before = _loadavg()
     spec = VALIDATION_MODEL
     a = spec.layers[0]
@@ -603,7 +616,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
         copy=copy, layer_elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
         collectives=collectives, linear=linear, dense_attention=dense,
         tiny_step=(tiny, step_kernels(_tiny_spec(), TINY_SEQ)), optimizer=optimizer,
-        step_load=step_load, score_copies=score_copies,
+        step_load=step_load, score_copies=score_copies, probe=(probe_start, mb.probe_step_seconds()),
         notes=["Quick calibration: fewer sizes and repeats."] if quick else [])
 
 

@@ -286,6 +286,20 @@ def attention_peak_scores(spec, queries: int, keys: int, seq_len: int, block: in
     return (resident_high_water() - base) / (queries * keys * a.n_heads * 4)
 
 
+PROBE_SEQ_LEN = 256
+
+
+def probe_step_seconds(steps: int = 8) -> float:
+    """Median seconds of the validation model's one-process training step at L = 256: the
+    reference `csbp calibrate` records and `csbp validate` re-times to see how far the host's
+    speed has moved in between (a shared VM's does, by several percent within minutes)."""
+    from runtime.validate import BLOCK, VALIDATION_MODEL
+
+    torch.set_num_threads(1)  # a rank's regime, wherever it runs
+    keep_freed_memory()
+    return tiny_step_seconds(VALIDATION_MODEL, PROBE_SEQ_LEN, BLOCK, steps)
+
+
 def tiny_step_seconds(spec, seq_len: int, block: int, steps: int = 20) -> float:
     """Median seconds of one whole training step of the runtime (one process, all positions) at a
     context so short that arithmetic is negligible: the host overhead (Python, dispatch,
@@ -294,7 +308,7 @@ def tiny_step_seconds(spec, seq_len: int, block: int, steps: int = 20) -> float:
     from simulator.plan import Plan
     from simulator.workload import Workload
 
-    job = Job(spec, Workload(seq_len=seq_len, block_size=block, dtype="fp32", zero_stage=0), Plan())
+    job = Job(spec, Workload(seq_len=seq_len, block_size=min(block, seq_len), dtype="fp32", zero_stage=0), Plan())
     trainer = Trainer(job, 0, torch.device("cpu"))
     return median_time(lambda: trainer.step(0), steps, warmup=3)
 

@@ -195,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from runtime.launch import RunFailed
+    from runtime.microbench import probe_step_seconds
     from simulator.hardware import load_profile
     from simulator.report import print_json
 
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     cases = suite(args.quick)
     load_before = _loadavg()
+    probe_before = None if args.quick else probe_step_seconds()
     with console.status("running") as status:
         try:
             runs = measure(cases, repeats, steps, 0 if args.quick else 2, args.timeout,
@@ -221,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
         status.update("simulating")
         predictions = [predict(c, profile) for c in cases]
     report = compare(cases, runs, predictions)
-    report |= {"profile": profile.name, "load": f"{load_before} -> {_loadavg()}", "plot": str(plot_path),
+    probe_after = None if args.quick else probe_step_seconds()
+    report |= {"host_drift": _drift(profile, probe_before, probe_after),
+               "profile": profile.name, "load": f"{load_before} -> {_loadavg()}", "plot": str(plot_path),
                "model": VALIDATION_MODEL.name, "steps": steps, "repeats": repeats, "quick": args.quick}
     plot(report["rows"], plot_path, f"csbp validate on {profile.name}: step time")
     if args.json:
@@ -229,6 +233,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_report(report)
     return 0
+
+
+def _drift(profile, before: float | None, after: float | None) -> dict | None:
+    """The reference step now against its time when the profile was measured: how much slower
+    (> 0) the host runs than it did then, before and after the suite. Predictions are not
+    corrected by it; it says how much of the error the host's drift can explain."""
+    then = profile.node.probe_step_s
+    if then is None or before is None or after is None:
+        return None
+    return {"probe_step_s_at_calibration": then, "probe_step_s_before": before,
+            "probe_step_s_after": after, "before": before / then - 1, "after": after / then - 1}
 
 
 def _loadavg() -> str:
@@ -260,4 +275,8 @@ def _print_report(report: dict) -> None:
                   f"more than the noise in the measured order -> "
                   f"{'matches' if report['ranking_matches'] else 'does NOT match'}")
     console.print(f"attention bytes counted = predicted for every plan: {report['bytes_equal']}")
+    drift = report.get("host_drift")
+    if drift:
+        console.print(f"host speed since calibration: reference step {drift['before']:+.1%} before the "
+                      f"suite, {drift['after']:+.1%} after (> 0: slower now; not corrected for)")
     console.print(f"load average {report['load']}; plot: {report['plot']}")

@@ -141,6 +141,8 @@ class Node(BaseModel):
     gpus_per_node: Annotated[int, Field(gt=0, le=MAX_GPUS_PER_NODE, strict=True), FIGURE]
     cores: OptionalPositive = None  # ranks that run at full speed at once; None = one device each
     wakeup_latency_us: OptionalPositive = None  # added per collective call when ranks > cores
+    # seconds of a reference step when the profile was measured (csbp validate re-times it)
+    probe_step_s: OptionalPositive = None
     # when ranks outnumber cores, the fraction of its cores / ranks share a rank really gets
     # (each switch between ranks on a core leaves the next one a cache full of the other's data)
     sharing_efficiency: OptionalFraction = None

@@ -74,3 +74,14 @@ def test_bad_input_is_one_line_exit_2(args, expected):
     r = _csbp("validate", *args)
     assert r.returncode == 2 and expected in r.stderr and r.stderr.count("\n") == 1
     assert r.stdout == ""
+
+
+def test_host_drift_compares_the_reference_step_with_its_calibration():
+    from runtime.validate import _drift
+    from simulator.hardware import load_profile
+
+    p = load_profile("cpu-measured")
+    p = p.model_copy(update={"node": p.node.model_copy(update={"probe_step_s": 0.1})})
+    d = _drift(p, 0.11, 0.12)
+    assert d["before"] == pytest.approx(0.1) and d["after"] == pytest.approx(0.2)
+    assert _drift(p, None, None) is None
