@@ -654,7 +654,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "microbenchmarks on this host and write a measured profile.")
     p.add_argument("--out", default=None, help="profile path (default: hardware_profiles/NAME.yaml)")
     p.add_argument("--name", default="cpu-measured", help="profile name (default: cpu-measured)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 30 s)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about a minute; the full run takes about 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
