@@ -52,38 +52,35 @@ def _rank(rank: int, world: int, plan_text: str, seq_len: int, steps: int, init:
     for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv"):
         setattr(comm.Comm, op, timed_comm(getattr(comm.Comm, op)))
 
-    class Enter(torch.autograd.Function):  # backward: attention's backward ends here
+    class Boundary(torch.autograd.Function):
+        """Identity; its backward marks where attention's backward starts (on the output) or
+        ends (on the input)."""
+
         @staticmethod
-        def forward(ctx, x):
+        def forward(ctx, x, starts_backward):
+            ctx.starts = starts_backward
             return x.view_as(x)
 
         @staticmethod
         def backward(ctx, grad):
-            spent["attention"] += time.perf_counter() - clock["backward"]
-            inside["attention"] -= 1
-            return grad
-
-    class Leave(torch.autograd.Function):  # backward: attention's backward starts here
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            clock["backward"] = time.perf_counter()
-            inside["attention"] += 1
-            return grad
+            if ctx.starts:
+                clock["backward"] = time.perf_counter()
+                inside["attention"] += 1
+            else:
+                spent["attention"] += time.perf_counter() - clock["backward"]
+                inside["attention"] -= 1
+            return grad, None
 
     call = attention.Attention.__call__
 
     def timed_attention(self, layer, q, k, v):
-        q = Enter.apply(q) if q.requires_grad else q
+        q = Boundary.apply(q, False) if q.requires_grad else q
         inside["attention"] += 1
         start = time.perf_counter()
         out = call(self, layer, q, k, v)
         spent["attention"] += time.perf_counter() - start
         inside["attention"] -= 1
-        return Leave.apply(out) if out.requires_grad else out
+        return Boundary.apply(out, True) if out.requires_grad else out
 
     attention.Attention.__call__ = timed_attention
 
