@@ -48,3 +48,22 @@ def start_peak() -> None:
             refs.write("5")  # Linux >= 4.0: reset the peak RSS to the current RSS
     except OSError:
         pass
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """A `key: N kB` line of a /proc file in bytes, None where there is no such file or line."""
+    try:
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def resident_high_water() -> int | None:
+    """This process's peak resident set in bytes (VmHWM), None without /proc. Not ru_maxrss:
+    Linux carries that over from the parent through fork + exec, so a spawned rank would report
+    its launcher's peak when that is larger."""
+    return proc_bytes("/proc/self/status", "VmHWM")

@@ -316,16 +316,21 @@ def _op_overhead(m: Measurements) -> dict:
         f"8-element add alone takes {m.op_overhead_s * 1e6:.2f} us"))
 
 
-def _graph_ops(spec, seq_len: int, names: tuple[str, ...], layer: int | None) -> tuple[float, int]:
-    """(bytes, kernels) the step graph gives the ops called `names` of `layer` in a one-process
-    step (every phase: forward, recompute, backward)."""
+def one_process_graph(spec, seq_len: int, block: int):
+    """The step graph of `spec` trained by one process (fp32, full checkpointing)."""
     from simulator.graph import StepGraph
     from simulator.layout import Layout
     from simulator.plan import Plan
     from simulator.workload import Workload
 
-    w = Workload(seq_len=seq_len, block_size=BLOCK, dtype="fp32", zero_stage=0)
-    ops = [op for op in StepGraph.build(spec, w, Plan(), Layout.build(w, Plan()), 1).ops
+    w = Workload(seq_len=seq_len, block_size=block, dtype="fp32", zero_stage=0)
+    return StepGraph.build(spec, w, Plan(), Layout.build(w, Plan()), 1)
+
+
+def _graph_ops(spec, seq_len: int, names: tuple[str, ...], layer: int | None) -> tuple[float, int]:
+    """(bytes, kernels) the step graph gives the ops called `names` of `layer` in a one-process
+    step (every phase: forward, recompute, backward)."""
+    ops = [op for op in one_process_graph(spec, seq_len, BLOCK).ops
            if op.name in names and op.layer == layer]
     return sum(op.work.bytes[0] for op in ops), sum(op.work.kernels for op in ops)
 
@@ -538,13 +543,9 @@ def _cpu_name() -> str:
 
 
 def _mem_total() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from runtime.allocator import proc_bytes
+
+    return proc_bytes("/proc/meminfo", "MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _loadavg() -> str:
@@ -622,14 +623,10 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
 
 def step_kernels(spec, seq_len: int) -> int:
     """Kernels of one step of `spec` in the step graph (one process, full checkpointing)."""
-    from simulator.graph import Compute, StepGraph
-    from simulator.layout import Layout
-    from simulator.plan import Plan
-    from simulator.workload import Workload
+    from simulator.graph import Compute
 
-    w = Workload(seq_len=seq_len, block_size=seq_len, dtype="fp32", zero_stage=0)
-    graph = StepGraph.build(spec, w, Plan(), Layout.build(w, Plan()), 1)
-    return sum(op.work.kernels for op in graph.ops if isinstance(op.work, Compute))
+    return sum(op.work.kernels for op in one_process_graph(spec, seq_len, seq_len).ops
+               if isinstance(op.work, Compute))
 
 
 def residuals(profile: HardwareProfile, m: Measurements) -> list[dict]:

@@ -139,14 +139,9 @@ def check_host(job, device: str) -> None:
 
 def _available_memory() -> int | None:
     """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from runtime.allocator import proc_bytes
+
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def pick_device(choice: str, world: int) -> str:

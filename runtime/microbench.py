@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.allocator import keep_freed_memory
+from runtime.allocator import keep_freed_memory, resident_high_water
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 GAP_S = 0.03  # compute before each timed collective: a layer's share of a validation step
@@ -528,15 +528,6 @@ def step_seconds_under_load(procs: int, seq_len: int = 256, seconds: float = 4.0
     no communication) of their median step time: how ranks fare when they share cores."""
     job = _Job("step-load", procs, 0, 1, gemm=seq_len, seconds=seconds)
     return statistics.median(_run_workers(job, timeout_s))
-
-
-def resident_high_water() -> int:
-    """This process's peak resident set in bytes (VmHWM). Not ru_maxrss: Linux carries that
-    over from the parent through fork + exec, so a spawned worker would report its parent's."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def host_name() -> str:

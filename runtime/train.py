@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import checkpoint, faults
-from runtime.allocator import keep_freed_memory, start_peak
+from runtime.allocator import keep_freed_memory, resident_high_water, start_peak
 from runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
 from runtime.model import BlockDiffusionLM
 from runtime.plans import dp, rank_work
@@ -111,13 +111,9 @@ def _peak_memory(device: torch.device) -> int:
     spawned rank would report its launcher's peak when that is larger."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    high_water = resident_high_water()
+    if high_water is not None:
+        return high_water
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
