@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 import time
 
-from simulator.engine import simulate_graph
-from simulator.graph import StepGraph
-from simulator.hardware import load_profile
-from simulator.layout import Layout
-from simulator.plan import Plan
-from simulator.presets import load_model
-from simulator.simulate import simulate
-from simulator.workload import Workload
+from csbp.simulator.engine import simulate_graph
+from csbp.simulator.graph import StepGraph
+from csbp.simulator.hardware import load_profile
+from csbp.simulator.layout import Layout
+from csbp.simulator.plan import Plan
+from csbp.simulator.presets import load_model
+from csbp.simulator.simulate import simulate
+from csbp.simulator.workload import Workload
 
 MODEL = "nemotron-diffusion-8b"
 SEQ_LEN = 256 * 1024

@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from runtime.launch import spawn  # noqa: E402
-from runtime.train import GIB, Job, Trainer  # noqa: E402
-from simulator.plan import Plan  # noqa: E402
-from simulator.presets import load_model  # noqa: E402
-from simulator.workload import Workload  # noqa: E402
+from csbp.runtime.launch import spawn  # noqa: E402
+from csbp.runtime.train import GIB, Job, Trainer  # noqa: E402
+from csbp.simulator.plan import Plan  # noqa: E402
+from csbp.simulator.presets import load_model  # noqa: E402
+from csbp.simulator.workload import Workload  # noqa: E402
 
 
 def realistic_model(name: str, layers: int):
@@ -39,8 +39,8 @@ def realistic_model(name: str, layers: int):
 
 def predict(model, workload: Workload, plan: Plan, hardware: str) -> dict:
     try:
-        from simulator.hardware import load_profile
-        from simulator.simulate import simulate
+        from csbp.simulator.hardware import load_profile
+        from csbp.simulator.simulate import simulate
 
         result = simulate(model, workload, plan, load_profile(hardware).on_one_host(1), nodes=1)
     except Exception as err:  # noqa: BLE001 - the check still reports what it measured

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from simulator.cli_args import add_cluster_args, add_workload_args, inputs_from_args
-from simulator.graph import clear_caches
-from simulator.hardware import load_profile
-from simulator.planner import available_cores, search
+from csbp.simulator.cli_args import add_cluster_args, add_workload_args, inputs_from_args
+from csbp.simulator.graph import clear_caches
+from csbp.simulator.hardware import load_profile
+from csbp.simulator.planner import available_cores, search
 
 
 def main() -> None:

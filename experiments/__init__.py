@@ -10,12 +10,12 @@ import importlib
 from dataclasses import dataclass, field
 
 STUDIES = {  # name -> module, in the order of the paper's studies
-    "a-256k": "experiments.a_256k",
-    "b-scaling": "experiments.b_scaling",
-    "c-drafters": "experiments.c_drafters",
-    "d-pure-bp": "experiments.d_pure_bp",
-    "e-schedule": "experiments.e_schedule",
-    "f-profile": "experiments.f_profile",
+    "a-256k": "csbp.experiments.a_256k",
+    "b-scaling": "csbp.experiments.b_scaling",
+    "c-drafters": "csbp.experiments.c_drafters",
+    "d-pure-bp": "csbp.experiments.d_pure_bp",
+    "e-schedule": "csbp.experiments.e_schedule",
+    "f-profile": "csbp.experiments.f_profile",
 }
 
 
@@ -29,7 +29,7 @@ class StudyOutput:
 
 def load(name: str):
     """The study module for a name or its letter ('c' -> c-drafters)."""
-    from simulator.errors import InputError
+    from csbp.simulator.errors import InputError
 
     match = [n for n in STUDIES if n == name or n.split("-")[0] == name]
     if not match:

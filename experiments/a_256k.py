@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experiments import StudyOutput
-from experiments.plots import bars
-from experiments.runner import H200_2x8, Runner
-from experiments.workloads import FULL_MODELS_256K, full_model
-from simulator.presets import load_model
+from csbp.experiments import StudyOutput
+from csbp.experiments.plots import bars
+from csbp.experiments.runner import H200_2x8, Runner
+from csbp.experiments.workloads import FULL_MODELS_256K, full_model
+from csbp.simulator.presets import load_model
 
 NAME = "a-256k"
 TITLE = "256K context on 2 x 8 H200: baseline (no BP) vs the planner's best"

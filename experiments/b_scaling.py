@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experiments import StudyOutput
-from experiments.a_256k import COLUMNS as A_COLUMNS, winner_line
-from experiments.plots import lines
-from experiments.runner import H200_2x8, Runner
-from experiments.workloads import full_model
-from simulator.presets import load_model
+from csbp.experiments import StudyOutput
+from csbp.experiments.a_256k import COLUMNS as A_COLUMNS, winner_line
+from csbp.experiments.plots import lines
+from csbp.experiments.runner import H200_2x8, Runner
+from csbp.experiments.workloads import full_model
+from csbp.simulator.presets import load_model
 
 NAME = "b-scaling"
 TITLE = "Context scaling 64K-512K on 2 x 8 H200"

@@ -6,8 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
-from experiments import STUDIES, load
-from experiments.report import section, write_csv, write_summary
+from csbp.experiments import STUDIES, load
+from csbp.experiments.report import section, write_csv, write_summary
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         for name in STUDIES:
             print(f"{name:12s} {load(name).TITLE}")
         return 0
-    from experiments.runner import Runner
+    from csbp.experiments.runner import Runner
 
     studies = [load(n) for n in (STUDIES if args.name == "all" else [args.name])]
     out = Path(args.out)

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import StudyOutput
-from experiments.plots import bars
-from experiments.runner import H200_2x8, Runner, label
-from experiments.workloads import full_model
-from simulator.layout import Layout
-from simulator.planner import plan_of
-from simulator.presets import load_model
-from simulator.simulate import simulate
-from simulator.workload import Workload
+from csbp.experiments import StudyOutput
+from csbp.experiments.plots import bars
+from csbp.experiments.runner import H200_2x8, Runner, label
+from csbp.experiments.workloads import full_model
+from csbp.simulator.layout import Layout
+from csbp.simulator.planner import plan_of
+from csbp.simulator.presets import load_model
+from csbp.simulator.simulate import simulate
+from csbp.simulator.workload import Workload
 
 NAME = "e-schedule"
 TITLE = "Dual-end vs contiguous block schedule at 256K on 2 x 8 H200"

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experiments import StudyOutput
-from experiments.plots import bars
-from experiments.runner import H200_2x8, Runner, label
-from experiments.workloads import full_model
-from simulator.planner import plan_of
-from simulator.presets import load_model
-from simulator.result import Result
-from simulator.simulate import simulate
+from csbp.experiments import StudyOutput
+from csbp.experiments.plots import bars
+from csbp.experiments.runner import H200_2x8, Runner, label
+from csbp.experiments.workloads import full_model
+from csbp.simulator.planner import plan_of
+from csbp.simulator.presets import load_model
+from csbp.simulator.result import Result
+from csbp.simulator.simulate import simulate
 
 NAME = "f-profile"
 TITLE = "Operator profile at 256K on 2 x 8 H200: CP vs CSBP"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from experiments import StudyOutput
+from csbp.experiments import StudyOutput
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from simulator.errors import InputError
-from simulator.hardware import HardwareProfile, load_profile
-from simulator.planner import Search, describe, family, fmt_tokens, plan_of, search
-from simulator.result import Result
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.errors import InputError
+from csbp.simulator.hardware import HardwareProfile, load_profile
+from csbp.simulator.planner import Search, describe, family, fmt_tokens, plan_of, search
+from csbp.simulator.result import Result
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 FAMILIES = ("dp", "cp", "bp", "csbp")
 

@@ -26,10 +26,10 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from simulator.layout import Layout, RingStep
-from simulator.mask import span_positions, visible
-from simulator.spans import Span, size
-from simulator.spec import AttentionSpec
+from csbp.simulator.layout import Layout, RingStep
+from csbp.simulator.mask import span_positions, visible
+from csbp.simulator.spans import Span, size
+from csbp.simulator.spec import AttentionSpec
 
 KV = "attention-kv"
 

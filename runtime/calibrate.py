@@ -30,9 +30,9 @@ from typing import Any
 
 import yaml
 
-from simulator.errors import InputError
-from simulator.hardware import PROFILE_DIR, HardwareProfile, load_profile
-from simulator.report import print_json
+from csbp.simulator.errors import InputError
+from csbp.simulator.hardware import PROFILE_DIR, HardwareProfile, load_profile
+from csbp.simulator.report import print_json
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 COLLECTIVE_SIZES = (4 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
@@ -51,8 +51,8 @@ TINY_SPEC_TEXT = "the validation model's layers at hidden 32, 4 heads of 8, L = 
 
 
 def _tiny_spec():
-    from runtime.validate import VALIDATION_MODEL
-    from simulator.spec import AttentionSpec
+    from csbp.runtime.validate import VALIDATION_MODEL
+    from csbp.simulator.spec import AttentionSpec
 
     layers = tuple(AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=8) for _ in VALIDATION_MODEL.layers)
     return VALIDATION_MODEL.model_copy(update={"name": "tiny-overhead", "hidden": 32, "ffn": 32,
@@ -119,8 +119,8 @@ def collective_seconds(profile: HardwareProfile, op: str, n_bytes: int, world: i
     """The simulator's price of one call over a buffer of `n_bytes` by `world` ranks of one host:
     the measured table where the profile has one (`measured`), else the alpha-beta model with the
     wake-up delay once ranks outnumber cores."""
-    from simulator.cost import collective_seconds as price
-    from simulator.graph import Comm, Group
+    from csbp.simulator.cost import collective_seconds as price
+    from csbp.simulator.graph import Comm, Group
 
     if not measured:
         profile = profile.model_copy(update={"links": profile.links.model_copy(update={
@@ -155,7 +155,7 @@ def efficiency_curve(points: list[tuple[float, float]], per_decade: int = 3) -> 
 
 def _fit_links(m: Measurements) -> tuple[dict, float, dict]:
     """Link figures from world size 2, the wake-up latency from world size 4."""
-    from runtime.microbench import GAP_S
+    from csbp.runtime.microbench import GAP_S
 
     two = m.collectives[2]
     sizes = sorted({s for _, s in two})
@@ -318,10 +318,10 @@ def _op_overhead(m: Measurements) -> dict:
 
 def one_process_graph(spec, seq_len: int, block: int):
     """The step graph of `spec` trained by one process (fp32, full checkpointing)."""
-    from simulator.graph import StepGraph
-    from simulator.layout import Layout
-    from simulator.plan import Plan
-    from simulator.workload import Workload
+    from csbp.simulator.graph import StepGraph
+    from csbp.simulator.layout import Layout
+    from csbp.simulator.plan import Plan
+    from csbp.simulator.workload import Workload
 
     w = Workload(seq_len=seq_len, block_size=block, dtype="fp32", zero_stage=0)
     return StepGraph.build(spec, w, Plan(), Layout.build(w, Plan()), 1)
@@ -343,7 +343,7 @@ def _memory_bound(m: Measurements, copy_gbs: float) -> dict:
     pass per op (pow, mean, rsqrt, two multiplies for one RMSNorm) and AdamW's foreach update a
     pass per term, so the measured fraction is well below a single copy's.
     """
-    from runtime.validate import VALIDATION_MODEL
+    from csbp.runtime.validate import VALIDATION_MODEL
 
     spec, overhead = VALIDATION_MODEL, _op_overhead(m)["value"] * 1e-6
     names = ("norm-rope", "norm-swiglu", "norm-rope-bwd", "norm-swiglu-bwd")
@@ -379,7 +379,7 @@ def _dense_curves(m: Measurements, peak: float) -> dict:
         return {}
     import numpy as np
 
-    from runtime.validate import VALIDATION_MODEL
+    from csbp.runtime.validate import VALIDATION_MODEL
 
     a = VALIDATION_MODEL.layers[0]
     sizes = sorted({(q, k) for q, k, *_ in m.dense_attention}, key=lambda s: s[0] * s[1])
@@ -416,7 +416,7 @@ def _dense_curves(m: Measurements, peak: float) -> dict:
 
 def dense_attention_check(profile: HardwareProfile, m: Measurements) -> list[dict]:
     """Every measured attention call vs the visible/masked pricing (the mechanism's check)."""
-    from runtime.validate import VALIDATION_MODEL
+    from csbp.runtime.validate import VALIDATION_MODEL
 
     a = VALIDATION_MODEL.layers[0]
     rows = []
@@ -543,7 +543,7 @@ def _cpu_name() -> str:
 
 
 def _mem_total() -> int:
-    from runtime.allocator import proc_bytes
+    from csbp.runtime.allocator import proc_bytes
 
     return proc_bytes("/proc/meminfo", "MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -559,9 +559,9 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     """Run every microbenchmark; `step(label)` is called before each one (progress)."""
     import torch
 
-    from runtime import microbench as mb
-    from runtime.allocator import keep_freed_memory
-    from runtime.validate import VALIDATION_MODEL
+    from csbp.runtime import microbench as mb
+    from csbp.runtime.allocator import keep_freed_memory
+    from csbp.runtime.validate import VALIDATION_MODEL
 
     threads = 1
     torch.set_num_threads(threads)
@@ -623,7 +623,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
 
 def step_kernels(spec, seq_len: int) -> int:
     """Kernels of one step of `spec` in the step graph (one process, full checkpointing)."""
-    from simulator.graph import Compute
+    from csbp.simulator.graph import Compute
 
     return sum(op.work.kernels for op in one_process_graph(spec, seq_len, seq_len).ops
                if isinstance(op.work, Compute))

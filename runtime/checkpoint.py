@@ -19,10 +19,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
-from simulator.errors import InputError
-from simulator.plan import Plan, one_line
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import Plan, one_line
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 INFO = "job.json"
 _STEP_DIR = re.compile(r"step-(\d+)")

@@ -20,10 +20,10 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from simulator.cli_args import add_plan_args, add_workload_args, inputs_from_args, plan_from_args
-from simulator.errors import InputError
-from simulator.layout import Layout
-from simulator.report import dumps, print_json
+from csbp.simulator.cli_args import add_plan_args, add_workload_args, inputs_from_args, plan_from_args
+from csbp.simulator.errors import InputError
+from csbp.simulator.layout import Layout
+from csbp.simulator.report import dumps, print_json
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -76,10 +76,10 @@ def is_plan_file(text: str | None) -> bool:
 
 def job_from_args(args: argparse.Namespace):
     """The job the flags (or the plan file) describe, checked before any process starts."""
-    from runtime import checkpoint, planfile
-    from runtime.model import check_supported
-    from runtime.plans.dp import check_supported as check_plan_supported
-    from runtime.train import Job
+    from csbp.runtime import checkpoint, planfile
+    from csbp.runtime.model import check_supported
+    from csbp.runtime.plans.dp import check_supported as check_plan_supported
+    from csbp.runtime.train import Job
 
     if is_plan_file(args.plan):
         pf = planfile.load(args.plan)
@@ -139,7 +139,7 @@ def check_host(job, device: str) -> None:
 
 def _available_memory() -> int | None:
     """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
-    from runtime.allocator import proc_bytes
+    from csbp.runtime.allocator import proc_bytes
 
     return proc_bytes("/proc/meminfo", "MemAvailable")
 
@@ -154,7 +154,7 @@ def pick_device(choice: str, world: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.train import notes_for, summarize
+    from csbp.runtime.train import notes_for, summarize
 
     job = job_from_args(args)
     device = pick_device(args.device, job.plan.world)
@@ -314,8 +314,8 @@ def _rank_main(rank: int, world: int, init: str, jobs: list, device: str, timeou
     import torch
     import torch.distributed as dist
 
-    from runtime.allocator import keep_freed_memory
-    from runtime.train import RankFailure, run_jobs
+    from csbp.runtime.allocator import keep_freed_memory
+    from csbp.runtime.train import RankFailure, run_jobs
 
     try:
         if device == "cuda":

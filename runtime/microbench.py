@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.allocator import keep_freed_memory, resident_high_water
+from csbp.runtime.allocator import keep_freed_memory, resident_high_water
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 GAP_S = 0.03  # compute before each timed collective: a layer's share of a validation step
@@ -104,7 +104,7 @@ def layer_elementwise_seconds(spec, tokens: int, budget_s: float = 0.3) -> float
     checkpointing (forward without grad, forward again recording autograd, backward): two
     RMSNorms, RoPE on q and k, two residual adds and SwiGLU's silu(gate) * up, eager, each op
     its own pass over memory (the step graph prices them as fused)."""
-    from runtime.model import RMSNorm, apply_rope, rope_tables
+    from csbp.runtime.model import RMSNorm, apply_rope, rope_tables
 
     a, h = spec.layers[0], spec.hidden
 
@@ -154,7 +154,7 @@ def attention_tile_seconds(spec, tile: int, allowed: torch.Tensor, budget_s: flo
     as a training step does); backward is autograd through it, timed as forward + backward minus
     forward.
     """
-    from runtime.attention import attention_with_lse
+    from csbp.runtime.attention import attention_with_lse
 
     q, k, v, scale = _tile(spec, tile)
     fwd = lambda: attention_with_lse(q, k, v, allowed, scale)  # noqa: E731
@@ -183,7 +183,7 @@ def attention_points(spec, tiles: Sequence[int], budget_s: float) -> list[tuple]
 
 def masked_tile_seconds(spec, tile: int, block: int, budget_s: float) -> tuple[float, float]:
     """(full, BD3-LM-masked) forward + backward seconds of one tile of the whole 2L sequence."""
-    from simulator.mask import visible
+    from csbp.simulator.mask import visible
 
     pos = torch.arange(tile)
     masked = visible(pos[:, None], pos[None, :], tile // 2, block)
@@ -236,8 +236,8 @@ def bd3lm_call_seconds(spec, seq_len: int, block: int, queries: int, where: str,
     autograd (as a training step does); backward is autograd through it, timed as forward +
     backward minus forward.
     """
-    from runtime.attention import attention_with_lse
-    from simulator.mask import visible
+    from csbp.runtime.attention import attention_with_lse
+    from csbp.simulator.mask import visible
 
     a = spec.layers[0]
     g = a.n_heads // a.n_kv_heads
@@ -265,9 +265,9 @@ def bd3lm_call_seconds(spec, seq_len: int, block: int, queries: int, where: str,
 def attention_peak_scores(spec, queries: int, keys: int, seq_len: int, block: int) -> float:
     """Peak resident growth of the runtime's attention on one call (forward, recompute forward,
     backward, three times), in score matrices of the call (queries x keys x heads, fp32)."""
-    from runtime.allocator import start_peak
-    from runtime.attention import attention_with_lse
-    from simulator.mask import visible
+    from csbp.runtime.allocator import start_peak
+    from csbp.runtime.attention import attention_with_lse
+    from csbp.simulator.mask import visible
 
     a = spec.layers[0]
     g = a.n_heads // a.n_kv_heads
@@ -293,7 +293,7 @@ def probe_step_seconds(steps: int = 8) -> float:
     """Median seconds of the validation model's one-process training step at L = 256: the
     reference `csbp calibrate` records and `csbp validate` re-times to see how far the host's
     speed has moved in between (a shared VM's does, by several percent within minutes)."""
-    from runtime.validate import BLOCK, VALIDATION_MODEL
+    from csbp.runtime.validate import BLOCK, VALIDATION_MODEL
 
     torch.set_num_threads(1)  # a rank's regime, wherever it runs
     keep_freed_memory()
@@ -304,9 +304,9 @@ def tiny_step_seconds(spec, seq_len: int, block: int, steps: int = 20) -> float:
     """Median seconds of one whole training step of the runtime (one process, all positions) at a
     context so short that arithmetic is negligible: the host overhead (Python, dispatch,
     autograd, allocation) of the step's ops."""
-    from runtime.train import Job, Trainer
-    from simulator.plan import Plan
-    from simulator.workload import Workload
+    from csbp.runtime.train import Job, Trainer
+    from csbp.simulator.plan import Plan
+    from csbp.simulator.workload import Workload
 
     job = Job(spec, Workload(seq_len=seq_len, block_size=min(block, seq_len), dtype="fp32", zero_stage=0), Plan())
     trainer = Trainer(job, 0, torch.device("cpu"))
@@ -315,8 +315,8 @@ def tiny_step_seconds(spec, seq_len: int, block: int, steps: int = 20) -> float:
 
 def optimizer_seconds(spec, repeats: int = 10) -> tuple[int, float]:
     """(parameters, seconds) of one replicated AdamW step over the runtime's model, as it trains."""
-    from runtime.model import BlockDiffusionLM
-    from runtime.train import LEARNING_RATE
+    from csbp.runtime.model import BlockDiffusionLM
+    from csbp.runtime.train import LEARNING_RATE
 
     model = BlockDiffusionLM(spec)
     for p in model.parameters():
@@ -424,10 +424,10 @@ def _gemm_load(job: _Job) -> dict:
 def _step_load(job: _Job) -> float:
     """Median seconds of the validation model's one-process training step at L = `job.gemm`,
     stepping for `job.seconds` while the other processes of the job do the same."""
-    from runtime.train import Job, Trainer
-    from runtime.validate import BLOCK, VALIDATION_MODEL
-    from simulator.plan import Plan
-    from simulator.workload import Workload
+    from csbp.runtime.train import Job, Trainer
+    from csbp.runtime.validate import BLOCK, VALIDATION_MODEL
+    from csbp.simulator.plan import Plan
+    from csbp.simulator.workload import Workload
 
     w = Workload(seq_len=job.gemm, block_size=BLOCK, dtype="fp32", zero_stage=0)
     trainer = Trainer(Job(VALIDATION_MODEL, w, Plan()), 0, torch.device("cpu"))
@@ -442,7 +442,7 @@ def _step_load(job: _Job) -> float:
 
 def _collective_call(op: str, n_bytes: int, rank: int, world: int) -> Callable[[], object]:
     """One call of the runtime's comm layer over a buffer of `n_bytes` (the whole, fp32)."""
-    from runtime.comm import Comm
+    from csbp.runtime.comm import Comm
 
     comm, group = Comm(), dist.group.WORLD
     n = max(world, n_bytes // 4 // world * world)

@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from simulator.errors import InputError
-from simulator.spec import AttentionSpec, ModelSpec
+from csbp.simulator.errors import InputError
+from csbp.simulator.spec import AttentionSpec, ModelSpec
 
 # attend(layer index, q [B, N, Hq, D], k [B, N, Hkv, D], v [B, N, Hkv, D]) -> [B, N, Hq, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

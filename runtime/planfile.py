@@ -20,11 +20,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, field_validator
 
-from simulator.errors import InputError
-from simulator.plan import Plan, one_line
-from simulator.presets import load_model
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import Plan, one_line
+from csbp.simulator.presets import load_model
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 VERSION = 1
 

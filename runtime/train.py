@@ -1,8 +1,8 @@
 """Training one plan: a rank's loop, the run's JSON result, and the torchrun entry for clusters.
 
-    torchrun --standalone --nproc-per-node 8 -m runtime.train --plan plan.json --steps 10
+    torchrun --standalone --nproc-per-node 8 -m csbp.runtime.train --plan plan.json --steps 10
     torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 \\
-             --nproc-per-node 8 -m runtime.train --plan plan.json
+             --nproc-per-node 8 -m csbp.runtime.train --plan plan.json
 
 Multi-node flags belong to torchrun; this module reads RANK, WORLD_SIZE and LOCAL_RANK from the
 environment, uses NCCL when CUDA is present (gloo otherwise) and prints the result on rank 0.
@@ -25,15 +25,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from runtime import checkpoint, faults
-from runtime.allocator import keep_freed_memory, resident_high_water, start_peak
-from runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
-from runtime.model import BlockDiffusionLM
-from runtime.plans import dp, rank_work
-from simulator.layout import Layout, attention_bytes_received, kv_row_bytes
-from simulator.plan import Plan
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.runtime import checkpoint, faults
+from csbp.runtime.allocator import keep_freed_memory, resident_high_water, start_peak
+from csbp.runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
+from csbp.runtime.model import BlockDiffusionLM
+from csbp.runtime.plans import dp, rank_work
+from csbp.simulator.layout import Layout, attention_bytes_received, kv_row_bytes
+from csbp.simulator.plan import Plan
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 GIB = 1024**3
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -290,11 +290,11 @@ def notes_for(job: Job, device: str, world: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun entry: the same flags as `csbp run`, ranks from the environment."""
-    from runtime.launch import add_run_args, job_from_args, print_result
-    from simulator.cli import _Parser
-    from simulator.errors import InputError
+    from csbp.runtime.launch import add_run_args, job_from_args, print_result
+    from csbp.simulator.cli import _Parser
+    from csbp.simulator.errors import InputError
 
-    parser = _Parser(prog="python -m runtime.train", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="python -m csbp.runtime.train", description=__doc__.split("\n")[0])
     add_run_args(parser)
     try:
         args = parser.parse_args(argv)

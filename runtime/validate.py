@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 
-from simulator.errors import InputError
-from simulator.plan import Plan, parse_plan
-from simulator.spec import AttentionSpec, ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import Plan, parse_plan
+from csbp.simulator.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload import Workload
 
 VALIDATION_MODEL = ModelSpec(
     name="validate-small", hidden=256, ffn=768, vocab=512,
@@ -57,8 +57,8 @@ def suite(quick: bool) -> list[Case]:
 def measure(cases: list[Case], repeats: int, steps: int, warmup: int, timeout_s: float,
             progress) -> list[list[dict]]:
     """Run every case `repeats` times (interleaved, so drift hits all plans alike)."""
-    from runtime.launch import spawn
-    from runtime.train import Job, notes_for, summarize
+    from csbp.runtime.launch import spawn
+    from csbp.runtime.train import Job, notes_for, summarize
 
     out: list[list[dict]] = [[] for _ in cases]
     worlds = sorted({c.plan.world for c in cases})
@@ -74,7 +74,7 @@ def measure(cases: list[Case], repeats: int, steps: int, warmup: int, timeout_s:
 
 
 def predict(case: Case, profile) -> object:
-    from simulator.simulate import simulate
+    from csbp.simulator.simulate import simulate
 
     # overlap off: the runtime calls gloo in the training thread, so every exchange blocks the
     # rank (nothing computes while K/V or gradients move), which is what overlap=False prices
@@ -194,10 +194,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from runtime.launch import RunFailed
-    from runtime.microbench import probe_step_seconds
-    from simulator.hardware import load_profile
-    from simulator.report import print_json
+    from csbp.runtime.launch import RunFailed
+    from csbp.runtime.microbench import probe_step_seconds
+    from csbp.simulator.hardware import load_profile
+    from csbp.simulator.report import print_json
 
     steps = args.steps if args.steps is not None else (1 if args.quick else 3)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)

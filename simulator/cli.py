@@ -13,17 +13,17 @@ import sys
 
 from pydantic import ValidationError
 
-from simulator.errors import InputError
-from simulator.plan import one_line
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import one_line
 
 COMMANDS = {  # name -> (module, one-line help shown by `csbp --help`)
-    "plan": ("simulator.commands.plan", "rank every plan for a model, context and cluster (default)"),
-    "simulate": ("simulator.commands.simulate", "predict step time, tokens/s and memory of one plan"),
-    "sweep": ("simulator.commands.sweep", "plan over lists of contexts, models and GPU counts"),
-    "run": ("runtime.launch", "run a plan for real on this host (gloo on CPU, NCCL on GPU)"),
-    "calibrate": ("runtime.calibrate", "measure this host into a hardware profile"),
-    "validate": ("runtime.validate", "compare predictions with runtime measurements"),
-    "experiments": ("experiments.cli", "regenerate the CSBP studies (tables and plots)"),
+    "plan": ("csbp.simulator.commands.plan", "rank every plan for a model, context and cluster (default)"),
+    "simulate": ("csbp.simulator.commands.simulate", "predict step time, tokens/s and memory of one plan"),
+    "sweep": ("csbp.simulator.commands.sweep", "plan over lists of contexts, models and GPU counts"),
+    "run": ("csbp.runtime.launch", "run a plan for real on this host (gloo on CPU, NCCL on GPU)"),
+    "calibrate": ("csbp.runtime.calibrate", "measure this host into a hardware profile"),
+    "validate": ("csbp.runtime.validate", "compare predictions with runtime measurements"),
+    "experiments": ("csbp.experiments.cli", "regenerate the CSBP studies (tables and plots)"),
 }
 
 

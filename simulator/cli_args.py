@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from simulator.errors import InputError
-from simulator.plan import Plan, check_size, one_line, parse_plan
-from simulator.presets import load_model
-from simulator.spec import ModelSpec
-from simulator.workload import Workload, parse_tokens
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import Plan, check_size, one_line, parse_plan
+from csbp.simulator.presets import load_model
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload, parse_tokens
 
 DEFAULT_MODEL = "nemotron-diffusion-8b"
 DEFAULT_HARDWARE = "h200"
@@ -115,7 +115,7 @@ def imported_inputs(args: argparse.Namespace, world: int) -> tuple[Inputs, Plan]
     import sys
     from pathlib import Path
 
-    from simulator.interop import read
+    from csbp.simulator.interop import read
 
     fmt, name = args.from_run
     if name == "-":

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator.graph import Comm, Compute, Group, Work
-from simulator.hardware import CollectiveOp, HardwareProfile, Link
+from csbp.simulator.graph import Comm, Compute, Group, Work
+from csbp.simulator.hardware import CollectiveOp, HardwareProfile, Link
 
 US = 1e-6
 GB = 1e9

@@ -21,15 +21,15 @@ from typing import Literal, Union
 
 import numpy as np
 
-from simulator import mask
-from simulator.layout import Layout, kv_row_bytes
-from simulator.layout import clear_caches as clear_layout_caches
-from simulator.objective_layout import anchor_blocks, canvas_view
-from simulator.objectives import ObjectiveShape, objective_shape
-from simulator.plan import Plan
-from simulator.spans import Span, intersect, normalize, size
-from simulator.spec import AttentionSpec, ModelSpec
-from simulator.workload import Workload
+from csbp.simulator import mask
+from csbp.simulator.layout import Layout, kv_row_bytes
+from csbp.simulator.layout import clear_caches as clear_layout_caches
+from csbp.simulator.objective_layout import anchor_blocks, canvas_view
+from csbp.simulator.objectives import ObjectiveShape, objective_shape
+from csbp.simulator.plan import Plan
+from csbp.simulator.spans import Span, intersect, normalize, size
+from csbp.simulator.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload import Workload
 
 ComputeKind = Literal["gemm", "attention-fwd", "attention-bwd", "elementwise", "optimizer"]
 Collective = Literal["all-gather", "reduce-scatter", "all-reduce", "all-to-all", "p2p"]

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from simulator.errors import InputError
-from simulator.plan import one_line
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import one_line
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from simulator.errors import InputError
-from simulator.plan import one_line
-from simulator.spec import AttentionSpec, ModelSpec, MoESpec
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import one_line
+from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
 
 
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:

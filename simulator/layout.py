@@ -23,11 +23,11 @@ import functools
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from simulator import mask
-from simulator.plan import Plan
-from simulator.spans import Span, intersect, normalize, size, subtract
-from simulator.spec import AttentionSpec
-from simulator.workload import Workload
+from csbp.simulator import mask
+from csbp.simulator.plan import Plan
+from csbp.simulator.spans import Span, intersect, normalize, size, subtract
+from csbp.simulator.spec import AttentionSpec
+from csbp.simulator.workload import Workload
 
 Payload = Literal["kv", "dkv"]
 Phase = Literal["forward", "recompute", "backward"]
@@ -311,7 +311,7 @@ class Layout:
 @functools.lru_cache(maxsize=512)
 def _build(workload: Workload, plan: Plan) -> Layout:
     if workload.objective == "dflash2":
-        from simulator.objective_layout import AnchorLayout
+        from csbp.simulator.objective_layout import AnchorLayout
 
         return AnchorLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing,
                             anchors=workload.max_anchors)

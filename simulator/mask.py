@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator.spans import Span
+from csbp.simulator.spans import Span
 
 
 def visible(q, k, seq_len: int, block: int, window: int | None = None):

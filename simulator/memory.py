@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.hardware import HardwareProfile
-from simulator.layout import Layout, kv_row_bytes
-from simulator.objectives import objective_shape
-from simulator.plan import Plan
-from simulator.result import GIB
-from simulator.spans import intersect, size
-from simulator.spec import AttentionSpec, ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.hardware import HardwareProfile
+from csbp.simulator.layout import Layout, kv_row_bytes
+from csbp.simulator.objectives import objective_shape
+from csbp.simulator.plan import Plan
+from csbp.simulator.result import GIB
+from csbp.simulator.spans import intersect, size
+from csbp.simulator.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload import Workload
 
 # fp32 master weights + Adam m and v (mixed-precision AdamW): 4 + 4 + 4 bytes per parameter.
 OPTIMIZER_BYTES_PER_PARAM = 12

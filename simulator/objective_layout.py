@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from simulator.layout import Layout, RankShare, assign_blocks, zigzag
-from simulator.spans import intersect, normalize
+from csbp.simulator.layout import Layout, RankShare, assign_blocks, zigzag
+from csbp.simulator.spans import intersect, normalize
 
 
 def anchor_blocks(n_blocks: int, anchors: int) -> tuple[int, ...]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 
 @dataclass(frozen=True)

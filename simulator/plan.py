@@ -12,9 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from simulator.errors import InputError
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.errors import InputError
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 Transport = Literal["collective", "ring"]
 Schedule = Literal["dual-end", "contiguous"]

@@ -23,15 +23,15 @@ from functools import partial
 from itertools import product
 from typing import get_args
 
-from simulator.errors import InputError
-from simulator.hardware import HardwareProfile
-from simulator.layout import Layout
-from simulator.memory import estimate_memory
-from simulator.plan import AXES, Plan, Schedule, Transport, one_line
-from simulator.result import Result
-from simulator.simulate import simulate
-from simulator.spec import ModelSpec
-from simulator.workload import Checkpointing, Workload
+from csbp.simulator.errors import InputError
+from csbp.simulator.hardware import HardwareProfile
+from csbp.simulator.layout import Layout
+from csbp.simulator.memory import estimate_memory
+from csbp.simulator.plan import AXES, Plan, Schedule, Transport, one_line
+from csbp.simulator.result import Result
+from csbp.simulator.simulate import simulate
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Checkpointing, Workload
 
 FAMILIES = ("dp", "cp", "bp", "csbp")  # how plots and tables group plans (single GPU counts as dp)
 DES_TOP = 6  # best screened candidates re-simulated with the event engine ...

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from simulator.errors import InputError
-from simulator.spec import AttentionSpec, ModelSpec, MoESpec
+from csbp.simulator.errors import InputError
+from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
 
 
 def _dense(name: str, layers: int, hidden: int, heads: int, kv: int, head_dim: int, ffn: int,
@@ -88,7 +88,7 @@ def load_model(name_or_path: str) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" or path.exists():
-        from simulator.hf_config import model_from_hf_config
+        from csbp.simulator.hf_config import model_from_hf_config
 
         return model_from_hf_config(path)
     raise InputError(f"unknown model {name_or_path!r}: use a preset ({', '.join(PRESET_NAMES)}) "

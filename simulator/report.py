@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from simulator.result import Result
+from csbp.simulator.result import Result
 
 
 def _clean(value: Any) -> Any:

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator.engine import ENGINES, simulate_graph, summarize
-from simulator.errors import InputError
-from simulator.graph import StepGraph
-from simulator.hardware import HardwareProfile
-from simulator.layout import Layout, attention_bytes_received
-from simulator.memory import estimate_memory
-from simulator.plan import Plan
-from simulator.result import GIB, Result
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.engine import ENGINES, simulate_graph, summarize
+from csbp.simulator.errors import InputError
+from csbp.simulator.graph import StepGraph
+from csbp.simulator.hardware import HardwareProfile
+from csbp.simulator.layout import Layout, attention_bytes_received
+from csbp.simulator.memory import estimate_memory
+from csbp.simulator.plan import Plan
+from csbp.simulator.result import GIB, Result
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 ASSUMPTIONS = (
     "representative ranks: one context group is simulated; its DP/EP/TP peers are copies, and a "

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from simulator.cli_args import add_workload_args, inputs_from_args
-from simulator.errors import InputError
-from simulator.hardware import HardwareProfile
-from simulator.planner import FAMILIES, Search, fmt_tokens, label_of, search
-from simulator.workload import parse_tokens
+from csbp.simulator.cli_args import add_workload_args, inputs_from_args
+from csbp.simulator.errors import InputError
+from csbp.simulator.hardware import HardwareProfile
+from csbp.simulator.planner import FAMILIES, Search, fmt_tokens, label_of, search
+from csbp.simulator.workload import parse_tokens
 
 COLUMNS = ("model", "seq_len", "gpus", "nodes", "family", "feasible", "plan", "tokens_per_s",
            "step_time_s", "peak_memory_gib", "attention_traffic_gib_per_gpu", "exposed_comm_s",

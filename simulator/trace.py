@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from simulator.errors import InputError
-from simulator.result import Result
+from csbp.simulator.errors import InputError
+from csbp.simulator.result import Result
 
 STREAMS = ("compute", "comm")
 

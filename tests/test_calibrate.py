@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime import calibrate as cal
-from simulator.hardware import HardwareProfile, load_profile
+from csbp.runtime import calibrate as cal
+from csbp.simulator.hardware import HardwareProfile, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 CALL_US, STEP_US, WAKE_US, CORES = 150.0, 60.0, 3000.0, 2
@@ -83,7 +83,7 @@ def test_written_profile_is_measured_and_every_figure_sourced(tmp_path):
 
 
 def test_single_host_profile_has_no_infiniband(tmp_path):
-    from simulator.errors import InputError
+    from csbp.simulator.errors import InputError
 
     p = HardwareProfile.model_validate(cal.fit_profile(_measurements(), "synthetic"))
     with pytest.raises(InputError, match="describes one host"):
@@ -106,7 +106,7 @@ def test_efficiency_curve_is_a_valid_profile_curve():
 
 
 def _csbp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "simulator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "csbp.simulator.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
 
 
@@ -123,7 +123,7 @@ def test_bad_input_is_one_line_exit_2(args, expected):
 
 @pytest.mark.timeout(120)
 def test_collective_benchmark_runs_through_the_comm_layer():
-    from runtime import microbench as mb
+    from csbp.runtime import microbench as mb
 
     got = mb.collective_seconds(2, [4096], ops=("all_gather", "send_recv"), repeats=1, calls=2, gap_s=0.005,
                                 timeout_s=90)
@@ -150,7 +150,7 @@ def test_gpu_script_writes_a_loadable_profile(tmp_path):
 
 def _dense_rows(e_visible: float, e_masked: float, peak: float) -> list[tuple]:
     """Attention calls priced by known visible / masked efficiencies (three masks per size)."""
-    from runtime.validate import VALIDATION_MODEL
+    from csbp.runtime.validate import VALIDATION_MODEL
 
     a = VALIDATION_MODEL.layers[0]
     rows = []

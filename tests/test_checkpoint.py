@@ -9,15 +9,15 @@ from functools import cache
 
 import pytest
 
-from runtime import checkpoint, faults
-from runtime.checkpoint import CheckpointInfo
-from runtime.launch import RunFailed, spawn
-from runtime.train import Job
-from simulator.errors import InputError
-from simulator.plan import parse_plan
-from simulator.presets import load_model
-from simulator.spec import AttentionSpec, ModelSpec
-from simulator.workload import Workload
+from csbp.runtime import checkpoint, faults
+from csbp.runtime.checkpoint import CheckpointInfo
+from csbp.runtime.launch import RunFailed, spawn
+from csbp.runtime.train import Job
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import parse_plan
+from csbp.simulator.presets import load_model
+from csbp.simulator.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload import Workload
 
 # tied embeddings: DCP must keep the shared weight shared
 TIED = ModelSpec(name="tiny-tied", hidden=64, ffn=128, vocab=256, tie_embeddings=True,

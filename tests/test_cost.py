@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from simulator.cost import collective_seconds, comm_seconds, compute_seconds, seconds
-from simulator.graph import Comm, Compute, Group
-from simulator.hardware import load_profile
+from csbp.simulator.cost import collective_seconds, comm_seconds, compute_seconds, seconds
+from csbp.simulator.graph import Comm, Compute, Group
+from csbp.simulator.hardware import load_profile
 
 
 @pytest.fixture(scope="module")

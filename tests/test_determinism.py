@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from runtime.launch import spawn
-from runtime.train import Job
-from simulator.plan import parse_plan
-from simulator.presets import load_model
-from simulator.workload import Workload
+from csbp.runtime.launch import spawn
+from csbp.runtime.train import Job
+from csbp.simulator.plan import parse_plan
+from csbp.simulator.presets import load_model
+from csbp.simulator.workload import Workload
 
 SIMULATE = ["simulate", "--model", "tiny", "--seq-len", "4096", "--block-size", "64", "--nodes", "1",
             "--plan", "dp=2,cp=2,bp=4", "--transport", "ring", "--json"]
@@ -25,7 +25,7 @@ PLAN = ["plan", "--model", "tiny", "--seq-len", "4096", "--nodes", "1", "--jobs"
 def stdout_under_hash_seeds(argv: list[str]) -> list[str]:
     outs = []
     for seed in ("1", "2"):
-        done = subprocess.run([sys.executable, "-m", "simulator.cli", *argv], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "csbp.simulator.cli", *argv], capture_output=True,
                               text=True, timeout=120, env=os.environ | {"PYTHONHASHSEED": seed})
         assert done.returncode == 0, done.stderr
         outs.append(done.stdout)

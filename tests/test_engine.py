@@ -6,18 +6,18 @@ import time
 import numpy as np
 import pytest
 
-from simulator.cli_args import default_objective
-from simulator.engine import simulate_graph, summarize
-from simulator.errors import InputError
-from simulator.graph import Comm, Compute, StepGraph, group_on_nodes, pairs_with_keys
-from simulator.hardware import load_profile
-from simulator import mask
-from simulator.layout import Layout, attention_bytes_received
-from simulator.plan import Plan
-from simulator.presets import PRESET_NAMES, load_model
-from simulator.simulate import simulate
-from simulator.trace import write_trace
-from simulator.workload import Workload
+from csbp.simulator.cli_args import default_objective
+from csbp.simulator.engine import simulate_graph, summarize
+from csbp.simulator.errors import InputError
+from csbp.simulator.graph import Comm, Compute, StepGraph, group_on_nodes, pairs_with_keys
+from csbp.simulator.hardware import load_profile
+from csbp.simulator import mask
+from csbp.simulator.layout import Layout, attention_bytes_received
+from csbp.simulator.plan import Plan
+from csbp.simulator.presets import PRESET_NAMES, load_model
+from csbp.simulator.simulate import simulate
+from csbp.simulator.trace import write_trace
+from csbp.simulator.workload import Workload
 
 K64, K256 = 64 * 1024, 256 * 1024
 M8 = load_model("nemotron-diffusion-8b")

@@ -4,17 +4,17 @@ import csv
 
 import pytest
 
-import experiments
-from experiments import c_drafters, load
-from experiments.cli import run as cli_run
-from experiments.f_profile import exposed_attention_s
-from experiments.report import table
-from experiments.runner import H100_1x8, Runner
-from simulator.cli import main
-from simulator.errors import InputError
-from simulator.presets import load_model
-from simulator.result import Result, TraceEvent
-from simulator.workload import Workload
+from csbp import experiments
+from csbp.experiments import c_drafters, load
+from csbp.experiments.cli import run as cli_run
+from csbp.experiments.f_profile import exposed_attention_s
+from csbp.experiments.report import table
+from csbp.experiments.runner import H100_1x8, Runner
+from csbp.simulator.cli import main
+from csbp.simulator.errors import InputError
+from csbp.simulator.presets import load_model
+from csbp.simulator.result import Result, TraceEvent
+from csbp.simulator.workload import Workload
 
 
 def test_every_study_is_listed_and_loads(capsys):

@@ -24,9 +24,9 @@ import yaml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from runtime import launch
-from simulator.cli import main
-from simulator.hardware import PROFILE_DIR
+from csbp.runtime import launch
+from csbp.simulator.cli import main
+from csbp.simulator.hardware import PROFILE_DIR
 
 SLOW_S = 15  # an input that takes longer than this counts as a hang
 SECONDS: list[float] = []  # of every call, for the summary line
@@ -240,7 +240,10 @@ def mutated(draw, base: dict, keys: list[str]):
     """`base` with one to three changes: a value replaced by junk, a key dropped or added."""
     tree = json.loads(json.dumps(base))
     for _ in range(draw(st.integers(1, 3))):
-        path = draw(st.sampled_from([p for p in _paths(tree) if p]))
+        paths = [p for p in _paths(tree) if p]
+        if not paths:  # everything dropped already (or replaced by an empty container)
+            break
+        path = draw(st.sampled_from(paths))
         parent = _at(tree, path[:-1])
         action = draw(st.sampled_from(["replace", "replace", "drop", "add"]))
         if action == "replace":
@@ -252,15 +255,28 @@ def mutated(draw, base: dict, keys: list[str]):
     return tree
 
 
+def scale(number: int | float, factor: int | float) -> int | float:
+    """`number * factor` as a file would hold it: an int stays an exact int while the factor is
+    one; anything past a float's range becomes inf (the loaders must refuse it), never an
+    OverflowError inside the strategy."""
+    if type(number) is int and type(factor) is int:
+        return number * factor
+    try:
+        product = float(number) * float(factor)
+    except OverflowError:  # an int beyond a float's range
+        product = math.copysign(math.inf, number) * math.copysign(1.0, factor) if factor else 0.0
+    exact = type(number) is int and math.isfinite(product)
+    return int(product) if exact else product
+
+
 @st.composite
 def scaled(draw, base: dict):
     """`base` with one or two of its numbers scaled: to zero, negative, tiny or huge."""
     tree = json.loads(json.dumps(base))
     numbers = [p for p in _paths(tree) if p and type(_at(tree, p)) in (int, float)]
+    # the same number may be drawn twice: 64 * 1e300 * 1e300 must be a file, not an error
     for path in draw(st.lists(st.sampled_from(numbers), min_size=1, max_size=2)):
-        number = _at(tree, path) * draw(st.sampled_from(SCALES))
-        exact = type(_at(tree, path)) is int and math.isfinite(number)
-        _at(tree, path[:-1])[path[-1]] = int(number) if exact else number
+        _at(tree, path[:-1])[path[-1]] = scale(_at(tree, path), draw(st.sampled_from(SCALES)))
     return tree
 
 
@@ -295,6 +311,37 @@ HF_BASES = [
 ]
 HF_KEYS = sorted({k for b in HF_BASES for k in b} | {"n_shared_experts", "n_routed_experts",
                                                     "global_head_dim", "use_sliding_window"})
+
+
+def test_scale_never_raises():
+    """Every chain of two scales from every kind of number a base holds gives a number."""
+    for start in (0, 1, 64, -3, 2**70, 0.5, 1e-300, 1e300):
+        for first in SCALES:
+            for second in SCALES:
+                out = scale(scale(start, first), second)
+                assert type(out) in (int, float)
+                json.dumps(out)  # what the file writers do with it
+    assert scale(64, 10**15) == 64 * 10**15 and type(scale(64, 2)) is int
+    assert scale(int(64 * 1e300), 1e300) == math.inf
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["hf", "hardware", "plan"])
+def test_file_strategies_never_raise(name):
+    """The strategies themselves: drawing thousands of inputs raises nothing (an error inside a
+    strategy is a failing test on a correct tree, the day a dependency draws other examples)."""
+    strategy = {"hf": lambda: files(HF_BASES, HF_KEYS), "hardware": lambda: files([_h200()], ["name"]),
+                "plan": lambda: files(PLAN_BASES, PLAN_KEYS)}[name]()
+    drawn = []
+
+    @settings(max_examples=2000, deadline=None, derandomize=True, database=None,
+              phases=[Phase.generate], suppress_health_check=CHECKS)
+    @given(strategy)
+    def each(example):
+        drawn.append(example if isinstance(example, bytes) else json.dumps(example))
+
+    each()
+    assert len(drawn) >= 1000
 
 
 @pytest.mark.timeout(120)
@@ -332,20 +379,21 @@ def test_hardware_profile_files(tmp_path):
     assert seen["rejected"] > 150 and seen["accepted"] >= 5
 
 
+INLINE = {"name": "inline", "hidden": 32, "ffn": 64, "vocab": 64,
+          "layers": [{"n_heads": 2, "n_kv_heads": 1, "head_dim": 16}]}
+PLAN_WORKLOAD = {"seq_len": 64, "block_size": 8, "dtype": "fp32"}
+PLAN_BASES = [{"version": 1, "model": "tiny", "workload": PLAN_WORKLOAD, "plan": {"cp": 2}},
+              {"version": 1, "model": INLINE, "workload": PLAN_WORKLOAD, "plan": {"cp": 2, "bp": 2},
+               "hardware": "h200", "nodes": 1, "prediction": {}}]
+PLAN_KEYS = ["version", "model", "workload", "plan", "hardware", "nodes", "prediction", "seq_len",
+             "block_size", "dp", "cp", "bp", "tp", "layers", "moe", "window", "kind"]
+
+
 @pytest.mark.timeout(120)
 def test_plan_files(tmp_path):
-    inline = {"name": "inline", "hidden": 32, "ffn": 64, "vocab": 64,
-              "layers": [{"n_heads": 2, "n_kv_heads": 1, "head_dim": 16}]}
-    workload = {"seq_len": 64, "block_size": 8, "dtype": "fp32"}
-    bases = [{"version": 1, "model": "tiny", "workload": workload, "plan": {"cp": 2}},
-             {"version": 1, "model": inline, "workload": workload, "plan": {"cp": 2, "bp": 2},
-              "hardware": "h200", "nodes": 1, "prediction": {}}]
-    keys = ["version", "model", "workload", "plan", "hardware", "nodes", "prediction", "seq_len",
-            "block_size", "dp", "cp", "bp", "tp", "layers", "moe", "window", "kind"]
-
     def check(content) -> str:
         path = write_file(tmp_path, "plan.json", content, json.dumps)
         return call(["run", "--plan", str(path)])
 
-    seen = fuzz(files(bases, keys), 250, check)
+    seen = fuzz(files(PLAN_BASES, PLAN_KEYS), 250, check)
     assert seen["rejected"] > 150 and seen["spawned"] >= 3

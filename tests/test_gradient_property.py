@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from runtime.launch import spawn
-from runtime.train import Job
-from simulator.errors import InputError
-from simulator.plan import parse_plan
-from simulator.spec import AttentionSpec, ModelSpec, MoESpec
-from simulator.workload import Workload
+from csbp.runtime.launch import spawn
+from csbp.runtime.train import Job
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import parse_plan
+from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
+from csbp.simulator.workload import Workload
 from test_runtime_plans import TOLERANCE, reference, relative_error
 
 WORLD = 2

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from simulator.errors import InputError
-from simulator.hardware import PROFILE_DIR, HardwareProfile, interpolate, list_profiles, load_profile
+from csbp.simulator.errors import InputError
+from csbp.simulator.hardware import PROFILE_DIR, HardwareProfile, interpolate, list_profiles, load_profile
 
 SHIPPED = ["h100", "h200"]
 
@@ -179,7 +179,7 @@ def _with_dense(**gpu_overrides):
 
 
 def test_dense_attention_prices_visible_and_masked_scores():
-    from simulator.hardware import HardwareProfile
+    from csbp.simulator.hardware import HardwareProfile
 
     p = HardwareProfile.model_validate(_with_dense())
     peak = p.gpu.peak_tflops * 1e12
@@ -193,7 +193,7 @@ def test_dense_attention_prices_visible_and_masked_scores():
 
 
 def test_dense_curves_come_all_or_none():
-    from simulator.hardware import HardwareProfile
+    from csbp.simulator.hardware import HardwareProfile
 
     raw = _with_dense()
     del raw["gpu"]["dense_masked_backward_efficiency"]
@@ -202,9 +202,9 @@ def test_dense_curves_come_all_or_none():
 
 
 def test_host_overhead_shares_cores_like_arithmetic():
-    from simulator.cost import compute_seconds
-    from simulator.graph import Compute
-    from simulator.hardware import HardwareProfile
+    from csbp.simulator.cost import compute_seconds
+    from csbp.simulator.graph import Compute
+    from csbp.simulator.hardware import HardwareProfile
 
     raw = _with_dense()
     raw["gpu"]["op_overhead_us"] = {"value": 100.0, "source": "test"}

@@ -2,14 +2,14 @@
 
 import pytest
 
-from simulator.hardware import load_profile
-from simulator.layout import Layout, kv_row_bytes
-from simulator.memory import OPTIMIZER_BYTES_PER_PARAM, estimate_memory, loss_chunk_tokens, weight_state
-from simulator.plan import Plan
-from simulator.presets import load_model
-from simulator.result import GIB
-from simulator.simulate import simulate
-from simulator.workload import Workload
+from csbp.simulator.hardware import load_profile
+from csbp.simulator.layout import Layout, kv_row_bytes
+from csbp.simulator.memory import OPTIMIZER_BYTES_PER_PARAM, estimate_memory, loss_chunk_tokens, weight_state
+from csbp.simulator.plan import Plan
+from csbp.simulator.presets import load_model
+from csbp.simulator.result import GIB
+from csbp.simulator.simulate import simulate
+from csbp.simulator.workload import Workload
 
 M8 = load_model("nemotron-diffusion-8b")
 L256 = 256 * 1024

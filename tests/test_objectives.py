@@ -3,16 +3,16 @@
 import numpy as np
 import pytest
 
-from simulator.graph import StepGraph
-from simulator.hardware import load_profile
-from simulator.layout import Layout
-from simulator.memory import estimate_memory, weight_state
-from simulator.objective_layout import AnchorLayout, anchor_blocks, canvas_view
-from simulator.objectives import objective_shape
-from simulator.plan import Plan
-from simulator.presets import load_model
-from simulator.spans import intersect, normalize, size
-from simulator.workload import Workload
+from csbp.simulator.graph import StepGraph
+from csbp.simulator.hardware import load_profile
+from csbp.simulator.layout import Layout
+from csbp.simulator.memory import estimate_memory, weight_state
+from csbp.simulator.objective_layout import AnchorLayout, anchor_blocks, canvas_view
+from csbp.simulator.objectives import objective_shape
+from csbp.simulator.plan import Plan
+from csbp.simulator.presets import load_model
+from csbp.simulator.spans import intersect, normalize, size
+from csbp.simulator.workload import Workload
 
 TINY = load_model("tiny")
 DRAFTER = load_model("dflash2-qwen3.8-27b")

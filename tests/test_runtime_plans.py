@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.launch import spawn
-from runtime.model import BlockDiffusionLM
-from runtime.plans.reference import reference_work
-from runtime.train import Job
-from simulator.layout import Layout, attention_bytes_received
-from simulator.plan import parse_plan
-from simulator.presets import load_model
-from simulator.spec import AttentionSpec, ModelSpec, MoESpec
-from simulator.workload import Workload
+from csbp.runtime.launch import spawn
+from csbp.runtime.model import BlockDiffusionLM
+from csbp.runtime.plans.reference import reference_work
+from csbp.runtime.train import Job
+from csbp.simulator.layout import Layout, attention_bytes_received
+from csbp.simulator.plan import parse_plan
+from csbp.simulator.presets import load_model
+from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
+from csbp.simulator.workload import Workload
 
 TOLERANCE = 1e-5
 SPAWN_TIMEOUT_S = 150

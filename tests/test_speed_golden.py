@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from simulator.cli_args import DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN, default_objective
-from simulator.graph import StepGraph, _LayerTemplate
-from simulator.hardware import load_profile
-from simulator.layout import Layout
-from simulator.plan import Plan
-from simulator.planner import label_of, search
-from simulator.presets import load_model
-from simulator.simulate import simulate
-from simulator.workload import Workload, parse_tokens
+from csbp.simulator.cli_args import DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN, default_objective
+from csbp.simulator.graph import StepGraph, _LayerTemplate
+from csbp.simulator.hardware import load_profile
+from csbp.simulator.layout import Layout
+from csbp.simulator.plan import Plan
+from csbp.simulator.planner import label_of, search
+from csbp.simulator.presets import load_model
+from csbp.simulator.simulate import simulate
+from csbp.simulator.workload import Workload, parse_tokens
 
 GOLDEN = Path(__file__).parent / "golden" / "speed.json"
 K = 1024

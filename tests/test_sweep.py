@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from simulator.cli import main
+from csbp.simulator.cli import main
 from test_planner import fake_engine  # noqa: F401  (fixture)
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime import validate as v
+from csbp.runtime import validate as v
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _csbp(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "simulator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "csbp.simulator.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout)
 
 
@@ -77,8 +77,8 @@ def test_bad_input_is_one_line_exit_2(args, expected):
 
 
 def test_host_drift_compares_the_reference_step_with_its_calibration():
-    from runtime.validate import _drift
-    from simulator.hardware import load_profile
+    from csbp.runtime.validate import _drift
+    from csbp.simulator.hardware import load_profile
 
     p = load_profile("cpu-measured")
     p = p.model_copy(update={"node": p.node.model_copy(update={"probe_step_s": 0.1})})

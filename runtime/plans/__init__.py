@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import Attention
-from runtime.comm import Comm
-from runtime.model import BlockDiffusionLM
-from runtime.objective import bd3lm_loss, make_batch
-from runtime.plans import context, dp
-from simulator.layout import Layout
-from simulator.plan import Plan
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.runtime.attention import Attention
+from csbp.runtime.comm import Comm
+from csbp.runtime.model import BlockDiffusionLM
+from csbp.runtime.objective import bd3lm_loss, make_batch
+from csbp.runtime.plans import context, dp
+from csbp.simulator.layout import Layout
+from csbp.simulator.plan import Plan
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 
 @dataclass

@@ -6,12 +6,12 @@ cp ranks in CSBP), once per DP replica, by every rank in the same order as torch
 
 from __future__ import annotations
 
-from runtime.attention import Attention
-from runtime.comm import Comm
-from runtime.plans import dp
-from simulator.layout import Layout
-from simulator.plan import Plan
-from simulator.spec import ModelSpec
+from csbp.runtime.attention import Attention
+from csbp.runtime.comm import Comm
+from csbp.runtime.plans import dp
+from csbp.simulator.layout import Layout
+from csbp.simulator.plan import Plan
+from csbp.simulator.spec import ModelSpec
 
 
 def attention(spec: ModelSpec, layout: Layout, plan: Plan, where: dict[str, int],

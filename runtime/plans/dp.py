@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.comm import Comm
-from simulator.errors import InputError
-from simulator.plan import Plan
+from csbp.runtime.comm import Comm
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import Plan
 
 
 def check_supported(plan: Plan) -> None:

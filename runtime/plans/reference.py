@@ -5,12 +5,12 @@ Each plan must reproduce its loss and every gradient; it needs no process group.
 
 from __future__ import annotations
 
-from runtime.attention import Attention
-from runtime.plans import Work
-from simulator.layout import Layout
-from simulator.plan import Plan
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.runtime.attention import Attention
+from csbp.runtime.plans import Work
+from csbp.simulator.layout import Layout
+from csbp.simulator.plan import Plan
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 
 def reference_work(spec: ModelSpec, workload: Workload, n_sequences: int) -> Work:

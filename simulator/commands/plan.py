@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN,
+from csbp.simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN,
                                 add_cluster_args, add_from_arg, add_workload_args, imported_inputs,
                                 inputs_from_args)
-from simulator.errors import InputError
-from simulator.hardware import load_profile
-from simulator.plan import AXES
-from simulator.planner import cluster_gpus, fmt_tokens, label_of, plan_of, search
-from simulator.report import fmt_time, print_json
-from simulator.presets import PRESET_NAMES, load_model
-from simulator.result import Result
-from simulator.simulate import simulate
-from simulator.workload import Workload
+from csbp.simulator.errors import InputError
+from csbp.simulator.hardware import load_profile
+from csbp.simulator.plan import AXES
+from csbp.simulator.planner import Search, cluster_gpus, fmt_tokens, label_of, plan_of, search
+from csbp.simulator.report import fmt_time, print_json
+from csbp.simulator.presets import PRESET_NAMES, load_model
+from csbp.simulator.result import Result
+from csbp.simulator.simulate import simulate
+from csbp.simulator.workload import Workload
 
 DEFAULT_JOB = "Nemotron-Labs-Diffusion 8B at 256K on 2 x 8 H200"
 
@@ -42,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=None, help="processes for the search (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", metavar="PLAN_JSON", help="write the recommended plan file for "
-                   "`csbp run --plan` and `torchrun -m runtime.train --plan`")
+                   "`csbp run --plan` and `torchrun -m csbp.runtime.train --plan`")
     p.add_argument("--emit", action="append", default=[], metavar="FORMAT",
                    help="also print the plan as turbo-dllm | megatron | torchtitan config "
                         "(repeatable; frameworks without BP get the best plan they can express)")
@@ -73,12 +74,12 @@ def torchrun_command(nodes: int, gpus_per_node: int, plan_file: str) -> str:
     """How to launch the plan file on every node of the cluster."""
     rendezvous = ("--standalone" if nodes == 1 else
                   f"--nnodes {nodes} --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500")
-    return f"torchrun {rendezvous} --nproc-per-node {gpus_per_node} -m runtime.train --plan {plan_file}"
+    return f"torchrun {rendezvous} --nproc-per-node {gpus_per_node} -m csbp.runtime.train --plan {plan_file}"
 
 
 def write_plan_file(found, path: str, hardware: str) -> None:
     """The recommendation as a runtime plan file, with its prediction for later comparison."""
-    from runtime import planfile
+    from csbp.runtime import planfile
 
     rec, model = found.recommended, found.model
     # A preset travels by name (readable, and the runtime rebuilds the same spec); anything else
@@ -89,7 +90,38 @@ def write_plan_file(found, path: str, hardware: str) -> None:
         hardware=hardware, nodes=found.nodes, prediction=rec.to_json()), path)
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass
+class Planned:
+    """One `csbp plan` answered: the search, the user's own run if given, and what was written.
+
+    `to_json()` is the command's `--json` object; `csbp.plan(...)` returns this."""
+
+    found: Search
+    args: argparse.Namespace
+    your_run: Result | None
+    command: str | None  # the torchrun line for the written plan file
+    emitted: dict[str, str]
+
+    @property
+    def recommended(self) -> Result:
+        return self.found.recommended
+
+    @property
+    def baseline(self) -> Result | None:
+        return self.found.baseline
+
+    @property
+    def speedup(self) -> float | None:
+        return self.found.speedup
+
+    def to_json(self) -> dict:
+        return _json(self.found, self.args, self.command) | {
+            "your_run": _your_run_json(self.your_run, self.found.recommended),
+            "emitted": self.emitted}
+
+
+def answer(args: argparse.Namespace, announce=None) -> Planned:
+    """Search for the job the flags describe; `announce(text)` hears what is being planned."""
     if args.top < 1:
         raise InputError(f"--top {args.top}: must be at least 1")
     searched = {"axes": parse_axes(args.axes), "workers": args.jobs}
@@ -107,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
            f"{profile.node.gpus_per_node} {profile.gpu.name}")
     if is_default_job(args) and not imported:
         job = f"the built-in default job, {DEFAULT_JOB} ({job}); see csbp plan --help for other jobs"
-    console(stderr=args.json).print(f"Planning {job}", highlight=False)  # --json: stdout is JSON only
+    if announce:
+        announce(f"Planning {job}")
     found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
                    **searched)
     command = None
@@ -117,17 +150,22 @@ def run(args: argparse.Namespace) -> int:
     your_run = simulate(inputs.model, inputs.workload, yours, profile, args.nodes,
                         engine=args.engine, with_trace=False) if yours else None
     emitted = emit_all(found, args.emit, args.nodes, profile.node.gpus_per_node)
+    return Planned(found, args, your_run, command, emitted)
+
+
+def run(args: argparse.Namespace) -> int:
+    # --json: stdout is JSON only, so the announcement goes to stderr
+    planned = answer(args, lambda text: console(stderr=args.json).print(text, highlight=False))
+    found = planned.found
     if args.json:
         console(stderr=True).print(f"searched {found.candidates} candidates in {found.seconds:.2f} s",
                                    highlight=False)
-        print_json(_json(found, args, command) | {
-            "your_run": _your_run_json(your_run, found.recommended),
-            "emitted": emitted})
+        print_json(planned.to_json())
     else:
-        _print(found, args, command)
-        if your_run:
-            _print_your_run(your_run, found, args.from_run)
-        for fmt, text in emitted.items():
+        _print(found, args, planned.command)
+        if planned.your_run:
+            _print_your_run(planned.your_run, found, args.from_run)
+        for fmt, text in planned.emitted.items():
             console().print(f"\n[bold]{fmt}[/]:", highlight=False)
             print(text.rstrip())
     return 0
@@ -135,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
 def emit_all(found, formats: list[str], nodes: int, gpus_per_node: int) -> dict[str, str]:
     """Each requested format: the recommendation, or the best plan that framework can express."""
-    from simulator.interop import FORMATS, emit
+    from csbp.simulator.interop import FORMATS, emit
 
     out = {}
     for fmt in formats:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from simulator.cli_args import (add_cluster_args, add_from_arg, add_plan_args, add_workload_args,
+from csbp.simulator.cli_args import (add_cluster_args, add_from_arg, add_plan_args, add_workload_args,
                                 imported_inputs, inputs_from_args, plan_from_args)
-from simulator.report import print_json, print_result
+from csbp.simulator.report import print_json, print_result
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,17 +26,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from simulator.hardware import load_profile
-    from simulator.simulate import simulate
+def result_of(args: argparse.Namespace):
+    """The simulated step the flags describe (`csbp.simulate(...)` returns it)."""
+    from csbp.simulator.hardware import load_profile
+    from csbp.simulator.simulate import simulate
 
     profile = load_profile(args.hardware)
     imported = imported_inputs(args, args.nodes * profile.node.gpus_per_node)
     inputs, plan = imported or (inputs_from_args(args), plan_from_args(args))
-    result = simulate(inputs.model, inputs.workload, plan, profile, args.nodes,
-                      engine=args.engine, overlap=not args.no_overlap)
+    return simulate(inputs.model, inputs.workload, plan, profile, args.nodes,
+                    engine=args.engine, overlap=not args.no_overlap)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = result_of(args)
     if args.trace:
-        from simulator.trace import write_trace
+        from csbp.simulator.trace import write_trace
 
         write_trace(result, args.trace)
     if args.json:

@@ -10,10 +10,10 @@ from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from simulator.cli_args import DEFAULT_HARDWARE, DEFAULT_MODEL
-from simulator.commands.plan import console
-from simulator.planner import fmt_tokens
-from simulator.report import print_json
+from csbp.simulator.cli_args import DEFAULT_HARDWARE, DEFAULT_MODEL
+from csbp.simulator.commands.plan import console
+from csbp.simulator.planner import fmt_tokens
+from csbp.simulator.report import print_json
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -38,8 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from simulator.hardware import load_profile
-    from simulator.sweep import plot_sweep, points, run_sweep, save_table, split_list  # pandas: slow import
+    from csbp.simulator.hardware import load_profile
+    from csbp.simulator.sweep import plot_sweep, points, run_sweep, save_table, split_list  # pandas: slow import
 
     profile = load_profile(args.hardware)
     grid = points(split_list(args.models, "models"), split_list(args.seq_lens, "seq-lens"),

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.cost import seconds
-from simulator.graph import Comm, StepGraph
-from simulator.hardware import HardwareProfile
-from simulator.result import TraceEvent
+from csbp.simulator.cost import seconds
+from csbp.simulator.graph import Comm, StepGraph
+from csbp.simulator.hardware import HardwareProfile
+from csbp.simulator.result import TraceEvent
 
 ENGINES = ("des", "closed-form")
 
@@ -57,11 +57,11 @@ def simulate_graph(graph: StepGraph, profile: HardwareProfile, engine: str = "de
     """(timeline, durations) of the step with the named engine."""
     d = durations(graph, profile)
     if engine == "des":
-        from simulator.engine.des import run
+        from csbp.simulator.engine.des import run
     elif engine == "closed-form":
-        from simulator.engine.closed_form import run
+        from csbp.simulator.engine.closed_form import run
     else:
-        from simulator.errors import InputError
+        from csbp.simulator.errors import InputError
 
         raise InputError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
     return run(graph, d, overlap), d

@@ -14,8 +14,8 @@ from functools import reduce
 
 import numpy as np
 
-from simulator.engine import Timeline
-from simulator.graph import Comm, StepGraph
+from csbp.simulator.engine import Timeline
+from csbp.simulator.graph import Comm, StepGraph
 
 
 def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:

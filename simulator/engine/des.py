@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import simpy
 
-from simulator.engine import Timeline
-from simulator.graph import Comm, StepGraph
+from csbp.simulator.engine import Timeline
+from csbp.simulator.graph import Comm, StepGraph
 
 
 def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from simulator.errors import InputError
-from simulator.interop import megatron, torchtitan, turbo_dllm
-from simulator.interop.common import ImportedRun
-from simulator.plan import Plan
-from simulator.workload import Workload
+from csbp.simulator.errors import InputError
+from csbp.simulator.interop import megatron, torchtitan, turbo_dllm
+from csbp.simulator.interop.common import ImportedRun
+from csbp.simulator.plan import Plan
+from csbp.simulator.workload import Workload
 
 FORMATS = ("turbo-dllm", "megatron", "torchtitan")
 _MODULES = {"turbo-dllm": turbo_dllm, "megatron": megatron, "torchtitan": torchtitan}

@@ -22,15 +22,15 @@ import re
 import shlex
 from pathlib import Path
 
-from simulator.errors import InputError
-from simulator.interop.common import (ImportedRun, as_int, check_emittable, checkpoint_id, choice,
+from csbp.simulator.errors import InputError
+from csbp.simulator.interop.common import (ImportedRun, as_int, check_emittable, checkpoint_id, choice,
                                       key_for, make_plan, make_workload, objective_of,
                                       require_default_placement, resolve_model,
                                       unknown_key_warnings)
-from simulator.plan import Plan
-from simulator.presets import PRESET_NAMES, load_model
-from simulator.spec import ModelSpec
-from simulator.workload import Workload
+from csbp.simulator.plan import Plan
+from csbp.simulator.presets import PRESET_NAMES, load_model
+from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workload import Workload
 
 FMT = "megatron"
 RANK_ORDER = "tp-cp-ep-dp"

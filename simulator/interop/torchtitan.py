@@ -21,13 +21,13 @@ import json
 import tomllib
 from pathlib import Path
 
-from simulator.errors import InputError
-from simulator.interop.common import (ImportedRun, as_int, check_emittable, choice, flatten,
+from csbp.simulator.errors import InputError
+from csbp.simulator.interop.common import (ImportedRun, as_int, check_emittable, choice, flatten,
                                       key_for, make_plan, make_workload, objective_of,
                                       require_default_placement, resolve_model, settings,
                                       unknown_key_warnings)
-from simulator.plan import Plan
-from simulator.workload import Workload
+from csbp.simulator.plan import Plan
+from csbp.simulator.workload import Workload
 
 FMT = "torchtitan"
 RANK_ORDER = "tp-cp-dp_shard-dp_replicate"
