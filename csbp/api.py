@@ -6,7 +6,6 @@ means (and is refused) exactly as on the command line; no second set of defaults
 
 from __future__ import annotations
 
-from csbp.simulator.cli import build_parser
 from csbp.simulator.errors import InputError
 
 
@@ -32,6 +31,10 @@ def _argv(command: str, flags: dict) -> list[str]:
 
 
 def _args(command: str, flags: dict):
+    # imported here: `import csbp` must not load the CLI (`python -m csbp.simulator.cli` would
+    # then find its own module already imported)
+    from csbp.simulator.cli import build_parser
+
     argv = _argv(command, flags)
     parser = build_parser(argv)
     try:

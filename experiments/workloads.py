@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from csbp.simulator.cli_args import default_objective
+from csbp.simulator.objectives import default_objective
 from csbp.simulator.spec import ModelSpec
 from csbp.simulator.workload import Workload, parse_tokens
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
 from csbp.simulator.errors import InputError
-from csbp.simulator.plan import Plan, one_line
+from csbp.simulator.errors import one_line
+from csbp.simulator.plan import Plan
 from csbp.simulator.spec import ModelSpec
 from csbp.simulator.workload import Workload
 

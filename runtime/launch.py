@@ -76,7 +76,8 @@ def is_plan_file(text: str | None) -> bool:
 
 def job_from_args(args: argparse.Namespace):
     """The job the flags (or the plan file) describe, checked before any process starts."""
-    from csbp.runtime import checkpoint, planfile
+    from csbp.runtime import checkpoint
+    from csbp.simulator import planfile
     from csbp.runtime.model import check_supported
     from csbp.runtime.plans.dp import check_supported as check_plan_supported
     from csbp.runtime.train import Job

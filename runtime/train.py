@@ -1,12 +1,7 @@
-"""Training one plan: a rank's loop, the run's JSON result, and the torchrun entry for clusters.
+"""Training one plan: a rank's loop and the run's JSON result.
 
-    torchrun --standalone --nproc-per-node 8 -m csbp.runtime.train --plan plan.json --steps 10
-    torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 \\
-             --nproc-per-node 8 -m csbp.runtime.train --plan plan.json
-
-Multi-node flags belong to torchrun; this module reads RANK, WORLD_SIZE and LOCAL_RANK from the
-environment, uses NCCL when CUDA is present (gloo otherwise) and prints the result on rank 0.
-`csbp run` (runtime.launch) runs the same loop in processes it starts on this host.
+`csbp run` (runtime.launch) runs this loop in processes it starts on this host; on a cluster,
+torchrun starts it through `csbp.runtime.torchrun`.
 """
 
 from __future__ import annotations
@@ -23,10 +18,9 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from csbp.runtime import checkpoint, faults
-from csbp.runtime.allocator import keep_freed_memory, resident_high_water, start_peak
+from csbp.runtime.allocator import resident_high_water, start_peak
 from csbp.runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
 from csbp.runtime.model import BlockDiffusionLM
 from csbp.runtime.plans import dp, rank_work
@@ -286,46 +280,3 @@ def notes_for(job: Job, device: str, world: int) -> list[str]:
         notes.append(f"{job.workload.dtype} on CPU runs under autocast and is slow; fp32 is the "
                      "CPU reference")
     return notes
-
-
-def main(argv: list[str] | None = None) -> int:
-    """torchrun entry: the same flags as `csbp run`, ranks from the environment."""
-    from csbp.runtime.launch import add_run_args, job_from_args, print_result
-    from csbp.simulator.cli import _Parser
-    from csbp.simulator.errors import InputError
-
-    parser = _Parser(prog="python -m csbp.runtime.train", description=__doc__.split("\n")[0])
-    add_run_args(parser)
-    try:
-        args = parser.parse_args(argv)
-        job = job_from_args(args)
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if world != job.plan.world:
-            raise InputError(f"the plan needs {job.plan.world} ranks, torchrun started {world}")
-    except InputError as err:
-        print(f"runtime.train: error: {err}", file=sys.stderr)
-        return 2
-    device = device_for(int(os.environ.get("LOCAL_RANK", 0)))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        keep_freed_memory()
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    try:
-        (report,) = run_jobs([job], rank, device, timeout=timeout)
-        reports = [None] * world
-        dist.all_gather_object(reports, report)
-        dist.barrier()  # every rank is past its last transfer before any tears gloo down
-    except RankFailure as err:  # torchrun stops the other ranks and reports the exit codes
-        print(f"runtime.train: error: {err}", file=sys.stderr)
-        return 1
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        print_result(summarize(job, reports, device.type, notes_for(job, device.type, world)), args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

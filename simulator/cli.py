@@ -13,8 +13,7 @@ import sys
 
 from pydantic import ValidationError
 
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import one_line
+from csbp.simulator.errors import InputError, one_line
 
 COMMANDS = {  # name -> (module, one-line help shown by `csbp --help`)
     "plan": ("csbp.simulator.commands.plan", "rank every plan for a model, context and cluster (default)"),

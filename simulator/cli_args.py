@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import Plan, check_size, one_line, parse_plan
+from csbp.simulator.errors import InputError, one_line
+from csbp.simulator.objectives import default_objective
+from csbp.simulator.plan import Plan, check_size, parse_plan
 from csbp.simulator.presets import load_model
 from csbp.simulator.spec import ModelSpec
 from csbp.simulator.workload import Workload, parse_tokens
@@ -68,18 +69,6 @@ def add_plan_args(p: argparse.ArgumentParser, *, required: bool = False) -> None
     p.add_argument("--transport", default="collective", help="collective | ring")
     p.add_argument("--schedule", default="dual-end", help="dual-end | contiguous")
     p.add_argument("--placement", default=None, help="axes innermost first, e.g. tp,ctx,ep,dp")
-
-
-def default_objective(model: ModelSpec) -> str:
-    """Each preset trains with the objective of its study (workloads.md)."""
-    name = model.name
-    if name.startswith(("qwen3.5", "qwen3.8")):
-        return "fast-dllm-v2"
-    if name.startswith("diffusiongemma"):
-        return "diffusiongemma"
-    if name.startswith("dflash"):
-        return "dflash2"
-    return "bd3lm"
 
 
 def inputs_from_args(args: argparse.Namespace) -> Inputs:

@@ -17,8 +17,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import one_line
+from csbp.simulator.errors import InputError, one_line
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
 
@@ -220,6 +219,10 @@ class HardwareProfile(BaseModel):
     kind: Literal["datasheet", "measured"]
     host: str | None = None
     date: str | None = None
+    # where a measured profile came from (`csbp calibrate` writes them, `csbp validate` compares)
+    cpu_model: str | None = None
+    cpus: Annotated[int, Field(gt=0, strict=True)] | None = None
+    torch: str | None = None
     notes: str
     gpu: GPU
     node: Node

@@ -15,8 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import one_line
+from csbp.simulator.errors import InputError, one_line
 from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
 
 

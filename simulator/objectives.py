@@ -65,3 +65,15 @@ def objective_shape(workload: Workload, model: ModelSpec) -> ObjectiveShape:
             "embedding and LM head shared with the frozen target (assumed, as in DFlash): no "
             "gradients or optimizer state; the LM head backward is its input gradient only"))
     return ObjectiveShape("bd3lm", 1, 0.0, False, False, False, None, ())
+
+
+def default_objective(model: ModelSpec) -> str:
+    """Each preset trains with the objective of its study (workloads.md)."""
+    name = model.name
+    if name.startswith(("qwen3.5", "qwen3.8")):
+        return "fast-dllm-v2"
+    if name.startswith("diffusiongemma"):
+        return "diffusiongemma"
+    if name.startswith("dflash"):
+        return "dflash2"
+    return "bd3lm"

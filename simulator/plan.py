@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from csbp.simulator.errors import InputError
+from csbp.simulator.errors import InputError, one_line
 from csbp.simulator.spec import ModelSpec
 from csbp.simulator.workload import Workload
 
@@ -151,16 +151,3 @@ def parse_plan(text: str, **options: object) -> Plan:
         return Plan(**degrees, **options)
     except ValueError as err:
         raise InputError(one_line(err)) from None
-
-
-def one_line(err: Exception) -> str:
-    """A pydantic ValidationError (or any error) as a single readable line."""
-    errors = getattr(err, "errors", None)
-    if callable(errors):
-        msgs = []
-        for e in errors():
-            loc = ".".join(str(p) if str(p).isprintable() else repr(p) for p in e.get("loc", ()))
-            msg = str(e.get("msg", "")).removeprefix("Value error, ")
-            msgs.append(f"{loc}: {msg}" if loc else msg)
-        return "; ".join(msgs)
-    return str(err).splitlines()[0] if str(err) else type(err).__name__

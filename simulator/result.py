@@ -55,3 +55,11 @@ class Result:
         out = asdict(self)
         out.pop("trace")
         return out
+
+    def __str__(self) -> str:
+        """One line for a notebook's print(); `to_json()` has everything."""
+        head = f"{self.plan.get('label', '?')} ({self.plan.get('kind', '?')}) on {self.gpus} GPUs"
+        if not self.feasible:
+            return f"{head}: infeasible: {self.reason}"
+        return (f"{head}: {self.tokens_per_s:,.0f} tokens/s, step {self.step_time_s:.3g} s, "
+                f"peak {self.peak_memory_gib:.1f} GiB ({self.engine})")

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from csbp.simulator.cli_args import default_objective
+from csbp.simulator.objectives import default_objective
 from csbp.simulator.engine import simulate_graph, summarize
 from csbp.simulator.errors import InputError
 from csbp.simulator.graph import Comm, Compute, StepGraph, group_on_nodes, pairs_with_keys

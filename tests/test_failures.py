@@ -79,9 +79,9 @@ def test_csbp_run_prints_one_line_and_exits_1():
 @pytest.mark.timeout(90)
 def test_torchrun_entry_names_the_failing_rank():
     done = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "-m", "csbp.runtime.train"], "rank=1,step=1,kind=raise")
+                    "-m", "csbp.runtime.torchrun"], "rank=1,step=1,kind=raise")
     assert done.returncode != 0
-    assert "runtime.train: error: rank 1 failed at step 1: RuntimeError: injected fault" in done.stderr
+    assert "runtime.torchrun: error: rank 1 failed at step 1: RuntimeError: injected fault" in done.stderr
 
 
 @pytest.mark.parametrize("text", ["rank=1", "rank=x,step=1,kind=raise", "rank=1,step=1,kind=explode"])

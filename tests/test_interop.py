@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from csbp.simulator.cli_args import default_objective
+from csbp.simulator.objectives import default_objective
 from csbp.simulator.errors import InputError
 from csbp.simulator.interop import FORMATS, emit, read
 from csbp.simulator.interop.turbo_dllm import STRIPED_PLACEMENT

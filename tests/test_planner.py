@@ -163,7 +163,7 @@ def test_torchrun_command():
 
     assert torchrun_command(2, 8, "plan.json") == (
         "torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 "
-        "--nproc-per-node 8 -m csbp.runtime.train --plan plan.json")
+        "--nproc-per-node 8 -m csbp.runtime.torchrun --plan plan.json")
     assert torchrun_command(1, 8, "p.json").startswith("torchrun --standalone --nproc-per-node 8")
 
 
@@ -175,7 +175,7 @@ def test_axes_restrict_the_space():
 
 
 def test_out_writes_a_runtime_plan_file(fake_engine, tmp_path, capsys):
-    from csbp.runtime import planfile
+    from csbp.simulator import planfile
 
     path = tmp_path / "plan.json"
     argv = ["plan", "--model", "tiny", "--seq-len", "4096", "--nodes", "1", "--axes", "dp,cp,bp",
@@ -187,7 +187,7 @@ def test_out_writes_a_runtime_plan_file(fake_engine, tmp_path, capsys):
     assert pf.model == "tiny" and pf.nodes == 1 and pf.hardware == "h200"
     assert pf.plan.bp == rec["plan"]["bp"] and pf.plan.tp == 1
     assert pf.workload.checkpointing == rec["workload"]["checkpointing"]
-    assert out["torchrun"].endswith(f"-m csbp.runtime.train --plan {path}")
+    assert out["torchrun"].endswith(f"-m csbp.runtime.torchrun --plan {path}")
 
 
 def test_bad_axes(capsys):

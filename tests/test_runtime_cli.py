@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from csbp.runtime import planfile
+from csbp.simulator import planfile
 from csbp.simulator.plan import Plan
 from csbp.simulator.workload import Workload
 
@@ -50,7 +50,7 @@ def test_run_from_a_plan_file_writes_the_result(tmp_path):
 def test_torchrun_entry_runs_a_plan():
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "csbp.runtime.train", *SMALL, "--plan", "bp=2", "--json"],
+         "-m", "csbp.runtime.torchrun", *SMALL, "--plan", "bp=2", "--json"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from csbp.runtime import planfile
+from csbp.simulator import planfile
 from csbp.runtime.attention import attention_backward, attention_with_lse, merge
 from csbp.runtime.model import BlockDiffusionLM
 from csbp.runtime.objective import make_batch

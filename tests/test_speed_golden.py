@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from csbp.simulator.cli_args import DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN, default_objective
+from csbp.simulator.cli_args import DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN
+from csbp.simulator.objectives import default_objective
 from csbp.simulator.graph import StepGraph, _LayerTemplate
 from csbp.simulator.hardware import load_profile
 from csbp.simulator.layout import Layout

@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=None, help="processes for the search (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", metavar="PLAN_JSON", help="write the recommended plan file for "
-                   "`csbp run --plan` and `torchrun -m csbp.runtime.train --plan`")
+                   "`csbp run --plan` and `torchrun -m csbp.runtime.torchrun --plan`")
     p.add_argument("--emit", action="append", default=[], metavar="FORMAT",
                    help="also print the plan as turbo-dllm | megatron | torchtitan config "
                         "(repeatable; frameworks without BP get the best plan they can express)")
@@ -74,12 +74,12 @@ def torchrun_command(nodes: int, gpus_per_node: int, plan_file: str) -> str:
     """How to launch the plan file on every node of the cluster."""
     rendezvous = ("--standalone" if nodes == 1 else
                   f"--nnodes {nodes} --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500")
-    return f"torchrun {rendezvous} --nproc-per-node {gpus_per_node} -m csbp.runtime.train --plan {plan_file}"
+    return f"torchrun {rendezvous} --nproc-per-node {gpus_per_node} -m csbp.runtime.torchrun --plan {plan_file}"
 
 
 def write_plan_file(found, path: str, hardware: str) -> None:
     """The recommendation as a runtime plan file, with its prediction for later comparison."""
-    from csbp.runtime import planfile
+    from csbp.simulator import planfile
 
     rec, model = found.recommended, found.model
     # A preset travels by name (readable, and the runtime rebuilds the same spec); anything else

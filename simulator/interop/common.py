@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from csbp.simulator.cli_args import default_objective
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import DEFAULT_PLACEMENT, Plan, one_line
+from csbp.simulator.objectives import default_objective
+from csbp.simulator.errors import InputError, one_line
+from csbp.simulator.plan import DEFAULT_PLACEMENT, Plan
 from csbp.simulator.presets import PRESET_NAMES, load_model
 from csbp.simulator.spec import ModelSpec
 from csbp.simulator.workload import Workload

@@ -1,4 +1,6 @@
-"""The plan file: what `csbp plan --out` writes and `csbp run --plan` / `runtime.train` execute.
+"""The plan file: what `csbp plan --out` writes and `csbp run --plan` / `csbp.runtime.torchrun` execute.
+
+It is the planner's output, so it lives on the simulator side (no torch here).
 
 One JSON object, versioned so a runtime never guesses at a file from another release:
 
@@ -20,8 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, field_validator
 
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import Plan, one_line
+from csbp.simulator.errors import InputError, one_line
+from csbp.simulator.plan import Plan
 from csbp.simulator.presets import load_model
 from csbp.simulator.spec import ModelSpec
 from csbp.simulator.workload import Workload

@@ -1,0 +1,59 @@
+"""The installed library: one `csbp` namespace, and `csbp.plan` / `csbp.simulate` equal to the
+commands' JSON (the functions are the commands, not a second implementation)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import csbp
+from csbp.simulator.cli import main
+
+TINY = {"model": "tiny", "seq_len": "1024", "block_size": 64, "nodes": 1}
+TINY_FLAGS = ["--model", "tiny", "--seq-len", "1024", "--block-size", "64", "--nodes", "1"]
+
+
+def _cli_json(argv: list[str], capsys) -> dict:
+    capsys.readouterr()
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_function_is_the_plan_command(capsys):
+    planned = csbp.plan(**TINY, engine="closed-form", axes="dp,cp,bp", top=5)
+    cli = _cli_json(["plan", *TINY_FLAGS, "--engine", "closed-form", "--axes", "dp,cp,bp",
+                     "--top", "5", "--json"], capsys)
+    assert planned.to_json() == cli
+    assert planned.recommended.plan["label"] == cli["recommended"]["plan"]["label"]
+    assert str(planned.recommended).startswith(cli["recommended"]["plan"]["label"])
+
+
+def test_simulate_function_is_the_simulate_command(capsys):
+    r = csbp.simulate(**TINY, plan="dp=2,cp=2,bp=4", engine="closed-form")
+    assert r.to_json() == _cli_json(["simulate", *TINY_FLAGS, "--plan", "dp=2,cp=2,bp=4", "--engine",
+                                     "closed-form", "--json"], capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"model": "no-such-model"}, "unknown model"),
+    ({**TINY, "plan": "cp=3"}, "cp"),
+    ({**TINY, "bogus_flag": 1}, "unrecognized arguments"),
+])
+def test_bad_arguments_raise_input_error(flags, message):
+    with pytest.raises(csbp.InputError, match=message):
+        csbp.simulate(**flags)
+
+
+@pytest.mark.timeout(60)
+def test_only_the_csbp_namespace_is_installed(tmp_path):
+    """Outside the repository (whose folders a cwd import would find), no generic top-level
+    `simulator`, `runtime` or `experiments` module exists; `csbp.*` does."""
+    code = ("import importlib.util as u, json; print(json.dumps([u.find_spec(m) is not None for m in "
+            "('simulator', 'runtime', 'experiments', 'csbp.simulator', 'csbp.runtime', "
+            "'csbp.experiments')]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=50)
+    assert json.loads(done.stdout) == [False, False, False, True, True, True], done.stderr
