@@ -1,0 +1,80 @@
+"""The planner's answers must not move when the search gets faster: `csbp plan --json` against
+output recorded before the search was pruned and vectorised.
+
+`tests/golden/planner.json` holds, for varied jobs (dense, MoE with sliding-window layers, hybrid
+linear attention, a drafter; 1-4 nodes; H100 and H200; the event engine and the closed form only;
+restricted axes), the whole `--json` object and the labels of the complete ranking an exhaustive
+search gives. The pruned search must print the same object (floats to 1e-9 relative) except the
+search counts that describe its own work (`evaluations` and the keys added with pruning), and an
+exhaustive `search()` must still rank every feasible candidate in the recorded order. After a
+deliberate change of a result, re-record with
+
+    python tests/test_planner_golden.py --record
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from csbp.simulator.cli import build_parser
+from csbp.simulator.commands.plan import answer
+from csbp.simulator.planner import label_of
+
+GOLDEN = Path(__file__).parent / "golden" / "planner.json"
+
+# (name, csbp plan flags)
+CASES = [
+    ("default", []),
+    ("gemma-64k-2n", ["--model", "diffusiongemma-26b-a4b", "--seq-len", "64k", "--nodes", "2"]),
+    ("gemma-256k-4n-cf", ["--model", "diffusiongemma-26b-a4b", "--seq-len", "256k", "--nodes", "4",
+                          "--engine", "closed-form", "--top", "20"]),
+    ("qwen35-128k-1n-cf", ["--model", "qwen3.5-27b", "--seq-len", "128k", "--nodes", "1",
+                           "--engine", "closed-form", "--top", "20"]),
+    ("qwen35-256k-2n", ["--model", "qwen3.5-27b", "--seq-len", "256k", "--nodes", "2"]),
+    ("m8-h100-128k-4n", ["--model", "nemotron-diffusion-8b", "--hardware", "h100", "--seq-len", "128k",
+                         "--nodes", "4", "--top", "25"]),
+    ("m3-64k-1n-axes", ["--model", "nemotron-diffusion-3b", "--seq-len", "64k", "--nodes", "1",
+                        "--axes", "dp,cp,bp", "--top", "15"]),
+    ("dflash2-64k-1n", ["--model", "dflash2-qwen3.8-27b", "--seq-len", "64k", "--nodes", "1"]),
+]
+
+# what the search reports about its own work: it changes when the search gets smarter
+OWN_WORK = ("evaluations", "pruned", "screened", "rescored")
+
+
+def planned(flags: list[str]):
+    argv = ["plan", *flags, "--json", "--jobs", "1"]
+    return answer(build_parser(argv).parse_args(argv))
+
+
+def record(flags: list[str]) -> dict:
+    p = planned(flags)
+    return {"json": json.loads(json.dumps(p.to_json())),
+            "ranking": [label_of(r) for r in p.found.ranked]}
+
+
+def without_own_work(out: dict) -> dict:
+    return out | {"search": {k: v for k, v in out["search"].items() if k not in OWN_WORK}}
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict:
+    return json.loads(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("name, flags", CASES, ids=[c[0] for c in CASES])
+def test_plan_json_unchanged(name, flags, golden):
+    from test_speed_golden import assert_close
+
+    got = json.loads(json.dumps(planned(flags).to_json()))
+    assert_close(without_own_work(got), without_own_work(golden[name]["json"]), name)
+
+
+if __name__ == "__main__" and "--record" in sys.argv:
+    GOLDEN.write_text(json.dumps({name: record(flags) for name, flags in CASES}, indent=1,
+                                 sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
