@@ -85,7 +85,7 @@ def _rank(rank: int, world: int, plan_text: str, seq_len: int, steps: int, init:
     attention.Attention.__call__ = timed_attention
 
     from csbp.runtime.train import Job, Trainer
-    from csbp.runtime.validate import BLOCK, VALIDATION_MODEL
+    from csbp.runtime.validation_suite import BLOCK, VALIDATION_MODEL
     from csbp.simulator.plan import parse_plan
     from csbp.simulator.workload import Workload
 
@@ -129,7 +129,8 @@ def measure(plan_text: str, seq_len: int, steps: int) -> dict[int, dict[str, flo
 
 def predict(plan_text: str, seq_len: int, profile_name: str) -> dict[int, dict[str, float]]:
     """Per representative rank, the simulated seconds of the same kinds (validation settings)."""
-    from csbp.runtime.validate import BLOCK, Case, predict as simulate_case
+    from csbp.runtime.validate import predict as simulate_case
+    from csbp.runtime.validation_suite import BLOCK, Case
     from csbp.simulator.hardware import load_profile
     from csbp.simulator.plan import parse_plan
     from csbp.simulator.workload import Workload

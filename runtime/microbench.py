@@ -7,7 +7,6 @@ stuck collective fails the calibration instead of hanging it.
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
@@ -292,8 +291,9 @@ PROBE_SEQ_LEN = 256
 def probe_step_seconds(steps: int = 8) -> float:
     """Median seconds of the validation model's one-process training step at L = 256: the
     reference `csbp calibrate` records and `csbp validate` re-times to see how far the host's
-    speed has moved in between (a shared VM's does, by several percent within minutes)."""
-    from csbp.runtime.validate import BLOCK, VALIDATION_MODEL
+    speed has moved in between (a shared VM's does, by several percent within minutes); it
+    interleaves it between the suite's rounds to take that drift out of the errors."""
+    from csbp.runtime.validation_suite import BLOCK, VALIDATION_MODEL
 
     torch.set_num_threads(1)  # a rank's regime, wherever it runs
     keep_freed_memory()
@@ -425,7 +425,7 @@ def _step_load(job: _Job) -> float:
     """Median seconds of the validation model's one-process training step at L = `job.gemm`,
     stepping for `job.seconds` while the other processes of the job do the same."""
     from csbp.runtime.train import Job, Trainer
-    from csbp.runtime.validate import BLOCK, VALIDATION_MODEL
+    from csbp.runtime.validation_suite import BLOCK, VALIDATION_MODEL
     from csbp.simulator.plan import Plan
     from csbp.simulator.workload import Workload
 
@@ -528,7 +528,3 @@ def step_seconds_under_load(procs: int, seq_len: int = 256, seconds: float = 4.0
     no communication) of their median step time: how ranks fare when they share cores."""
     job = _Job("step-load", procs, 0, 1, gemm=seq_len, seconds=seconds)
     return statistics.median(_run_workers(job, timeout_s))
-
-
-def host_name() -> str:
-    return os.uname().nodename

@@ -13,13 +13,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from csbp.runtime import calibrate as cal
+from csbp.runtime.attention_fit import dense_attention_check
+from csbp.runtime.calibration_measurements import COLLECTIVE_SIZES, Measurements
+from csbp.runtime.collective_fit import GROUP_OPS, residuals, ring_steps, wire_bytes
+from csbp.runtime.fit_figures import efficiency_curve
+from csbp.runtime.host_identity import HostIdentity
+from csbp.runtime.profile_fit import fit_profile
 from csbp.simulator.hardware import HardwareProfile, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 CALL_US, STEP_US, WAKE_US, CORES = 150.0, 60.0, 3000.0, 2
 GBS = {"all_gather": 1.5, "reduce_scatter": 0.4, "all_reduce": 1.2, "all_to_all": 2.5, "send_recv": 2.0}
 P2P_US = 120.0
+IDENTITY = HostIdentity(host="testhost", cpu_model="Test CPU", cpus=2, torch="2.0.0", date="2026-01-01")
 
 
 def _synthetic_time(op: str, n_bytes: int, world: int) -> float:
@@ -27,15 +33,15 @@ def _synthetic_time(op: str, n_bytes: int, world: int) -> float:
     if op == "send_recv":
         latency = P2P_US
     else:
-        latency = CALL_US + cal.ring_steps(op, world) * STEP_US + (WAKE_US if world > CORES else 0)
-    return latency * 1e-6 + cal.wire_bytes(op, n_bytes, world) / (GBS[op] * 1e9)
+        latency = CALL_US + ring_steps(op, world) * STEP_US + (WAKE_US if world > CORES else 0)
+    return latency * 1e-6 + wire_bytes(op, n_bytes, world) / (GBS[op] * 1e9)
 
 
-def _measurements() -> cal.Measurements:
-    sizes = cal.COLLECTIVE_SIZES
-    ops = (*cal.GROUP_OPS, "send_recv")
-    return cal.Measurements(
-        host="testhost", cpu="Test CPU", date="2026-01-01", load="0.00 0.00 0.00 -> 0.00 0.00 0.00",
+def _measurements() -> Measurements:
+    sizes = COLLECTIVE_SIZES
+    ops = (*GROUP_OPS, "send_recv")
+    return Measurements(
+        identity=IDENTITY, load="0.00 0.00 0.00 -> 0.00 0.00 0.00",
         threads=1, memory_bytes=8 * 1024**3, baseline_rss_bytes=300 * 1024**2,
         gemm=[(m, 128, 384, 2 * m * 128 * 384 / (100e9 * min(1.0, m / 1024))) for m in (128, 512, 2048)],
         attention=[(t, 32, b, 4.0 * t * t * 32 * 4 * (2.5 if b else 1), 1e-3 * (t / 128) ** 2)
@@ -47,7 +53,7 @@ def _measurements() -> cal.Measurements:
 
 
 def test_fit_recovers_the_figures_it_was_made_from():
-    raw = cal.fit_profile(_measurements(), "synthetic")
+    raw = fit_profile(_measurements(), "synthetic")
     p = HardwareProfile.model_validate(raw)
     link = p.links.nvlink
     assert link.call_latency_us == pytest.approx(CALL_US, rel=1e-3)
@@ -63,17 +69,18 @@ def test_fit_recovers_the_figures_it_was_made_from():
 
 def test_fitted_model_reproduces_the_measurements():
     m = _measurements()
-    p = HardwareProfile.model_validate(cal.fit_profile(m, "synthetic"))
-    errors = [abs(r["error"]) for r in cal.residuals(p, m)]
+    p = HardwareProfile.model_validate(fit_profile(m, "synthetic"))
+    errors = [abs(r["error"]) for r in residuals(p, m)]
     assert max(errors) < 0.01
 
 
 def test_written_profile_is_measured_and_every_figure_sourced(tmp_path):
-    raw = cal.fit_profile(_measurements(), "synthetic")
+    raw = fit_profile(_measurements(), "synthetic")
     path = tmp_path / "synthetic.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False, default_flow_style=None))
     p = load_profile(str(path))
     assert p.kind == "measured" and p.host == "testhost" and p.date == "2026-01-01"
+    assert (p.cpu_model, p.cpus, p.torch) == ("Test CPU", 2, "2.0.0")  # where it was measured
     assert "load" in p.notes
     assert {"gpu.peak_tflops", "node.cores", "node.wakeup_latency_us", "links.nvlink.reduce_scatter_gbs",
             "gpu.op_overhead_us"} <= set(p.sources)
@@ -85,21 +92,21 @@ def test_written_profile_is_measured_and_every_figure_sourced(tmp_path):
 def test_single_host_profile_has_no_infiniband(tmp_path):
     from csbp.simulator.errors import InputError
 
-    p = HardwareProfile.model_validate(cal.fit_profile(_measurements(), "synthetic"))
+    p = HardwareProfile.model_validate(fit_profile(_measurements(), "synthetic"))
     with pytest.raises(InputError, match="describes one host"):
         p.link("infiniband")
     assert p.on_one_host(4).node.gpus_per_node == 4 and p.on_one_host(4).sources == p.sources
 
 
 def test_core_sharing_and_wakeup_only_when_ranks_outnumber_cores():
-    p = HardwareProfile.model_validate(cal.fit_profile(_measurements(), "synthetic"))
+    p = HardwareProfile.model_validate(fit_profile(_measurements(), "synthetic"))
     assert p.node.core_share(2) == 1.0 and p.node.core_share(4) == 0.5
     assert p.node.call_wakeup_us(2) == 0.0 and p.node.call_wakeup_us(4) > 0
     assert load_profile("h100").node.core_share(8) == 1.0  # GPUs do not share cores
 
 
 def test_efficiency_curve_is_a_valid_profile_curve():
-    curve = cal.efficiency_curve([(0.01, 0.1), (0.012, 0.2), (1.0, 0.5), (100.0, 1.3)])
+    curve = efficiency_curve([(0.01, 0.1), (0.012, 0.2), (1.0, 0.5), (100.0, 1.3)])
     xs = [x for x, _ in curve]
     assert xs == sorted(set(xs)) and all(0 < y <= 1 for _, y in curve)
     assert curve[0][1] == pytest.approx(0.15)
@@ -150,7 +157,7 @@ def test_gpu_script_writes_a_loadable_profile(tmp_path):
 
 def _dense_rows(e_visible: float, e_masked: float, peak: float) -> list[tuple]:
     """Attention calls priced by known visible / masked efficiencies (three masks per size)."""
-    from csbp.runtime.validate import VALIDATION_MODEL
+    from csbp.runtime.validation_suite import VALIDATION_MODEL
 
     a = VALIDATION_MODEL.layers[0]
     rows = []
@@ -166,19 +173,19 @@ def _dense_rows(e_visible: float, e_masked: float, peak: float) -> list[tuple]:
 def test_dense_attention_fit_separates_visible_and_masked_scores():
     m = _measurements()
     m.dense_attention = _dense_rows(0.3, 0.1, 0.1e12)  # peak of the synthetic GEMMs: 100 GFLOP/s
-    p = HardwareProfile.model_validate(cal.fit_profile(m, "synthetic"))
+    p = HardwareProfile.model_validate(fit_profile(m, "synthetic"))
     for field in ("dense_visible_forward_efficiency", "dense_visible_backward_efficiency"):
         assert all(y == pytest.approx(0.3, rel=1e-3) for _, y in getattr(p.gpu, field))
     for field in ("dense_masked_forward_efficiency", "dense_masked_backward_efficiency"):
         assert all(y == pytest.approx(0.1, rel=1e-3) for _, y in getattr(p.gpu, field))
-    assert max(abs(r["error"]) for r in cal.dense_attention_check(p, m)) < 1e-3
+    assert max(abs(r["error"]) for r in dense_attention_check(p, m)) < 1e-3
 
 
 def test_linear_and_tiny_step_figures():
     m = _measurements()
     m.linear = [(512, 256, 768, 2 * 512 * 256 * 768 / 50e9, 2 * 2 * 512 * 256 * 768 / 25e9)]
     m.tiny_step = (0.012, 60)
-    p = HardwareProfile.model_validate(cal.fit_profile(m, "synthetic"))
+    p = HardwareProfile.model_validate(fit_profile(m, "synthetic"))
     # two forwards (F each at 50 GFLOP/s) and one backward (2F at 25): 4F in 3F / 25e9 s
     assert p.gpu.gemm_efficiency[0][1] == pytest.approx(1 / 3, rel=1e-3)
     assert p.gpu.op_overhead_us == pytest.approx(200.0)
@@ -186,12 +193,10 @@ def test_linear_and_tiny_step_figures():
 
 
 def test_sharing_efficiency_slows_only_oversubscribed_ranks():
-    import os
-
-    cpus = len(os.sched_getaffinity(0))
     m = _measurements()
+    cpus = m.identity.cpus
     m.step_load = {cpus: 0.1, 2 * cpus: 0.25}  # 0.2 s would be a fair half of a core
-    p = HardwareProfile.model_validate(cal.fit_profile(m, "synthetic"))
+    p = HardwareProfile.model_validate(fit_profile(m, "synthetic"))
     assert p.node.sharing_efficiency == pytest.approx(0.8)
     assert p.node.core_share(cpus) == 1.0
     assert p.node.core_share(2 * cpus) == pytest.approx(0.5 * 0.8)

@@ -5,10 +5,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from csbp.runtime import validate as v
+from csbp.runtime import validation_report as report
+from csbp.runtime.validation_runs import SuiteRuns, run_places
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +29,10 @@ def test_quick_suite_bytes_equal_and_report(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)  # exactly one JSON object on stdout
     assert {"median_abs_error", "max_abs_error", "noise", "bytes_equal", "ranking_matches",
-            "rows"} <= set(report)
+            "rows", "profile_warnings", "median_abs_normalised_error", "host_drift", "probes"} <= set(report)
+    assert isinstance(report["profile_warnings"], list)
+    assert len(report["probes"]) == 3  # before the first round and after each world size's
+    assert all(row["normalised_error"] is not None for row in report["rows"])
     assert report["bytes_equal"] is True
     assert {row["world"] for row in report["rows"]} == {2, 4}
     assert {row["kind"] for row in report["rows"]} == {"cp", "csbp"}
@@ -54,15 +61,15 @@ def _row(plan, world, measured, predicted, noise, L=256):
 def test_ranking_counts_only_pairs_apart_by_more_than_the_noise():
     rows = [_row("dp=2", 2, 1.0, 2.0, 0.02), _row("cp=2", 2, 1.02, 1.0, 0.02),  # within noise
             _row("bp=2", 2, 2.0, 3.0, 0.02), _row("cp=4", 4, 5.0, 1.0, 0.02)]   # other world
-    pairs = v.ranking_pairs(rows)
+    pairs = report.ranking_pairs(rows)
     assert len(pairs) == 3  # only same world and context are compared
     decided = {(p["faster_measured"], p["slower_measured"]): p["agrees"] for p in pairs if p["decided"]}
     assert decided == {("dp=2", "bp=2"): True, ("cp=2", "bp=2"): True}
 
 
 def test_relative_spread():
-    assert v.relative_spread([1.0]) == 0.0
-    assert v.relative_spread([0.9, 1.0, 1.1]) == pytest.approx(0.1)
+    assert report.relative_spread([1.0]) == 0.0
+    assert report.relative_spread([0.9, 1.0, 1.1]) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -77,11 +84,72 @@ def test_bad_input_is_one_line_exit_2(args, expected):
 
 
 def test_host_drift_compares_the_reference_step_with_its_calibration():
-    from csbp.runtime.validate import _drift
-    from csbp.simulator.hardware import load_profile
-
-    p = load_profile("cpu-measured")
-    p = p.model_copy(update={"node": p.node.model_copy(update={"probe_step_s": 0.1})})
-    d = _drift(p, 0.11, 0.12)
+    probes = [{"probe_step_s": t} for t in (0.11, 0.09, 0.12)]
+    d = report.drift(0.1, probes)
     assert d["before"] == pytest.approx(0.1) and d["after"] == pytest.approx(0.2)
-    assert _drift(p, None, None) is None
+    assert d["min"] == pytest.approx(-0.1) and d["max"] == pytest.approx(0.2)
+    assert report.drift(None, probes) is None and report.drift(0.1, []) is None
+
+
+def test_run_places_are_the_middles_of_runs_in_their_round():
+    assert run_places([1.0, 3.0]) == [pytest.approx(0.125), pytest.approx(0.625)]
+    assert run_places([0.0, 0.0]) == [0.25, 0.75]
+
+
+GIB = 1024**3
+
+
+def _summary(step_s: float, bytes_: int = 1000) -> dict:
+    return {"step_time_s": step_s, "step_times_s": [step_s], "attention_bytes_counted": bytes_,
+            "attention_bytes_predicted": bytes_, "attention_bytes_match": True, "peak_memory_gib": 1.0,
+            "loss": 5.0, "warmup": 2, "steps": 3}
+
+
+def _prediction(step_s: float, bytes_: int = 1000):
+    return SimpleNamespace(step_time_s=step_s, attention_traffic_gib_per_gpu=bytes_ / GIB,
+                           peak_memory_gib=0.8)
+
+
+def test_normalised_error_takes_the_host_drift_out():
+    cases = v.suite(quick=True)[:2]
+    # the host ran 20 % slow in the first repeat and 10 % fast in the second; the model is exact
+    runs = SuiteRuns(runs=[[_summary(1.2), _summary(0.9)], [_summary(2.4), _summary(1.8)]],
+                     probe_at_run=[[0.12, 0.09], [0.12, 0.09]],
+                     probes=[{"probe_step_s": 0.12}, {"probe_step_s": 0.09}])
+    r = report.compare(cases, runs, [_prediction(1.0), _prediction(2.0)], probe_at_calibration=0.1)
+    for row in r["rows"]:
+        assert row["normalised_error"] == pytest.approx(0.0)
+        assert row["normalised_noise"] == pytest.approx(0.0)
+        assert row["error"] == pytest.approx(1 / 1.05 - 1) and row["noise"] == pytest.approx(0.15 / 1.05)
+    assert r["median_abs_normalised_error"] == pytest.approx(0.0)
+    assert r["max_abs_error"] == pytest.approx(1 - 1 / 1.05)
+    assert r["host_drift"]["before"] == pytest.approx(0.2) and r["bytes_equal"] is True
+    none = report.compare(cases, SuiteRuns(runs.runs, [[None, None]] * 2, []), [_prediction(1.0)] * 2, None)
+    assert none["median_abs_normalised_error"] is None and none["host_drift"] is None
+
+
+def test_validate_warns_about_a_profile_from_another_host(tmp_path, monkeypatch, capsys):
+    """The command end to end on made-up runs: the warning line first, then the JSON with it."""
+    from csbp.simulator.cli import main
+
+    raw = yaml.safe_load((ROOT / "hardware_profiles" / "cpu-measured.yaml").read_text())
+    raw |= {"host": "elsewhere", "cpu_model": "Other CPU", "cpus": 64, "torch": "0.0.1", "date": "2020-01-01"}
+    profile = tmp_path / "elsewhere.yaml"
+    profile.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+    def fake_suite(cases, repeats, steps, warmup, timeout_s, progress, probing):
+        assert probing  # the profile has a reference probe: the suite times it between rounds
+        return SuiteRuns([[_summary(1.0)] for _ in cases], [[0.15] for _ in cases],
+                         [{"after": "start", "probe_step_s": 0.15, "elapsed_s": 0.0}])
+
+    monkeypatch.setattr(v, "measure_suite", fake_suite)
+    monkeypatch.setattr(v, "predict", lambda case, p: _prediction(1.1))
+    png = tmp_path / "v.png"
+    assert main(["validate", "--quick", "--json", "--profile", str(profile), "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    warnings = [line for line in err.splitlines() if line.startswith("csbp: warning:")]
+    assert len(warnings) == len(got["profile_warnings"]) == 3  # another host, torch, 2020
+    assert "another host" in warnings[0] and "csbp calibrate" in warnings[0]
+    assert got["median_abs_error"] == pytest.approx(0.1) and got["rows"][0]["normalised_error"] is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
