@@ -21,11 +21,12 @@ from typing import Literal, Union
 
 import numpy as np
 
-from csbp.simulator import mask
+from csbp.simulator import kv_rows, mask
 from csbp.simulator.layout import Layout, kv_row_bytes
 from csbp.simulator.layout import clear_caches as clear_layout_caches
 from csbp.simulator.objective_layout import anchor_blocks, canvas_view
 from csbp.simulator.objectives import ObjectiveShape, objective_shape
+from csbp.simulator.pairs import QueryIntervals, pairs_with_keys  # noqa: F401 (pairs_with_keys: re-exported)
 from csbp.simulator.plan import Plan
 from csbp.simulator.spans import Span, intersect, normalize, size
 from csbp.simulator.spec import AttentionSpec, ModelSpec
@@ -141,11 +142,16 @@ class StepGraph:
 
     @classmethod
     def build(cls, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
-              gpus_per_node: int, one_bucket: bool = False) -> "StepGraph":
+              gpus_per_node: int, one_bucket: bool = False, keys_at_home: bool = False) -> "StepGraph":
         """`one_bucket`: reduce all gradients in one call after the backward pass, as a step
         that overlaps nothing does (per-layer buckets exist to hide behind the next layer's
-        backward; without overlap each would only add a call's latency)."""
-        return _Builder(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket).build()
+        backward; without overlap each would only add a call's latency).
+
+        `keys_at_home`: every attention call reads all its keys where it runs, one call per layer
+        and pass (no K/V exchange, no merge, no packing): the least attention compute the plan's
+        ownership allows, for the planner's lower bounds (`bounds.py`); not a step that runs."""
+        return _Builder(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket,
+                        keys_at_home=keys_at_home).build()
 
     def flops(self, include_recompute: bool = True) -> np.ndarray:
         """FLOPs each representative rank executes in one step."""
@@ -206,75 +212,6 @@ def _placed_group(degrees: tuple[int, ...], placement: str, gpus_per_node: int,
     return n, int(counts.min())
 
 
-# ---- attention pairs against a set of keys -----------------------------------------------------
-class QueryIntervals:
-    """The key intervals a rank's queries see (`mask.visible_intervals`), so attention work can be
-    split by where keys live. Without a window all queries of one block see the same intervals,
-    so they are kept once with a weight; counting keys inside them is then cheap per key set.
-    """
-
-    def __init__(self, queries: tuple[Span, ...], seq_len: int, block: int,
-                 window: int | None = None) -> None:
-        if window is None:  # one representative query per (stream, block)
-            q, self.weight = _touched_blocks(queries, block)
-            q = q * block
-        else:
-            q = mask.span_positions(queries)
-            self.weight = np.ones(q.size, dtype=np.int64)
-        self.intervals = mask.visible_intervals(q, seq_len, block, window)
-
-    @classmethod
-    def of(cls, layout: Layout, rank: int, window: int | None = None) -> "QueryIntervals":
-        return cls(layout.shares[rank].positions, layout.seq_len, layout.block, window)
-
-    def total(self) -> int:
-        """Every pair of the rank's queries (the mask's count, at one query per block)."""
-        return int(sum(((z - a) * self.weight).sum() for a, z in self.intervals))
-
-    def pairs_with(self, keys: tuple[Span, ...]) -> int:
-        """Pairs whose key lies in `keys`."""
-        keys = normalize(keys)
-        if not keys or self.weight.size == 0:
-            return 0
-        if len(keys) <= 4:  # a shard or two: overlap each span, only with the intervals near it
-            total = 0
-            for s, e in keys:
-                for a, z in self.intervals:
-                    hit = (a < e) & (z > s)
-                    if hit.any():
-                        overlap = np.minimum(z[hit], e) - np.maximum(a[hit], s)
-                        total += int((overlap * self.weight[hit]).sum())
-            return total
-        starts = np.array([s for s, _ in keys])
-        lengths = np.array([e - s for s, e in keys])
-        before = np.concatenate([[0], np.cumsum(lengths)])
-
-        def below(x: np.ndarray) -> np.ndarray:  # how many keys are < x (0 left of the first span)
-            k = np.maximum(np.searchsorted(starts, x, side="right") - 1, 0)
-            return before[k] + np.minimum(np.maximum(x - starts[k], 0), lengths[k])
-
-        count = sum(np.maximum(0, below(z) - below(np.minimum(a, z))) for a, z in self.intervals)
-        return int((count * self.weight).sum())
-
-
-def _touched_blocks(spans: tuple[Span, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
-    """(blocks the spans touch, positions of the spans in each), sorted: the spans' positions
-    grouped by block without listing every position (spans are sorted and disjoint)."""
-    if not spans:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    ids = [np.arange(s // block, (e - 1) // block + 1, dtype=np.int64) for s, e in spans]
-    lo, hi = (np.repeat(ends, [len(i) for i in ids]) for ends in zip(*spans))
-    ids = np.concatenate(ids)
-    counts = np.minimum(hi, (ids + 1) * block) - np.maximum(lo, ids * block)
-    first = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]]))  # spans may share a block
-    return ids[first], np.add.reduceat(counts, first)
-
-
-def pairs_with_keys(layout: Layout, rank: int, keys: tuple[Span, ...], window: int | None = None) -> int:
-    """Pairs of the rank's queries whose key lies in `keys`."""
-    return QueryIntervals.of(layout, rank, window).pairs_with(keys)
-
-
 @functools.lru_cache(maxsize=64)
 def _sequence_pairs(seq_len: int, block: int, window: int | None) -> int:
     return QueryIntervals(((0, 2 * seq_len),), seq_len, block, window).total()  # = mask.pairs
@@ -301,9 +238,10 @@ class _Builder:
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                  gpus_per_node: int, ops: list | None = None, notes: list | None = None,
-                 one_bucket: bool = False) -> None:
+                 one_bucket: bool = False, keys_at_home: bool = False) -> None:
         self.m, self.w, self.p, self.lay = model, workload, plan, layout
         self.one_bucket = one_bucket
+        self.keys_at_home = keys_at_home
         self.obj: ObjectiveShape = objective_shape(workload, model)
         self.gpn = gpus_per_node
         self.n = layout.size
@@ -360,7 +298,7 @@ class _Builder:
         return self._cache[key]
 
     def per_rank(self, values) -> PerRank:
-        return tuple(float(v) for v in np.broadcast_to(np.asarray(values, dtype=float), (self.n,)))
+        return tuple(np.broadcast_to(np.asarray(values, dtype=float), (self.n,)).tolist())
 
     def gemm(self, flops, kernels: int = 1) -> Compute:
         return Compute("gemm", self.per_rank(flops), self.per_rank(0), kernels)
@@ -431,16 +369,22 @@ class _Builder:
             return [("attn", total, self.positions)]
         local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
         if pattern != "ring":
-            received = np.array([lay.exchange(a, "forward").rows_received(r) for r in range(self.n)], dtype=float)
+            received = kv_rows.received(lay, a, "forward").astype(float)
             return [("attn.local", local, self.positions), ("attn.remote", total - local, received)]
         parts = [("attn.local", local, self.positions)]
-        for s in range(1, len(self.cp_sync[0])):
-            step, keys = np.zeros(self.n), np.zeros(self.n)
-            for g in self.cp_sync:
-                for i, r in enumerate(g):
-                    shard = lay.shares[g[(i - s) % len(g)]].owned_kv
-                    step[r], keys[r] = queries[r].pairs_with(shard), size(shard)
-            parts.append((f"attn.ring{s}", step, keys))
+        owned = kv_rows.owned_rows(lay).astype(float)
+        m = len(self.cp_sync[0])
+        step_pairs = np.zeros((m, self.n))  # [s, rank]: pairs with the shard s places back
+        step_keys = np.zeros((m, self.n))
+        for g in self.cp_sync:
+            shards = [lay.shares[r].owned_kv for r in g]
+            back = (np.arange(m)[:, None] - np.arange(m)[None, :]) % m  # [i, s] -> member i - s
+            for i, r in enumerate(g):
+                with_each = queries[r].pairs_with_each(shards)  # pairs with member j's shard
+                step_pairs[:, r] = with_each[back[i]]
+                step_keys[:, r] = owned[np.array(g)[back[i]]]
+        for s in range(1, m):
+            parts.append((f"attn.ring{s}", step_pairs[s], step_keys[s]))
         return parts
 
     def attention_work(self, a: AttentionSpec, part: tuple, backward: bool) -> Compute:
@@ -460,9 +404,8 @@ class _Builder:
         exchange = self.lay.exchange(a, phase)
         transfers = exchange.steps[step].transfers
         key = ("kv-rows", self.p.transport, self.lay.checkpointing, a.kind, a.window, phase, step, payload)
-        rows = self.derived(key, lambda: np.array(
-            [sum(t.n_rows for t in transfers if t.dst == r and (payload is None or t.payload == payload))
-             for r in range(self.n)], dtype=float))
+        rows = self.derived(key, lambda: _tally(
+            [(t.dst, t.n_rows) for t in transfers if payload is None or t.payload == payload], self.n))
         nbytes = rows * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
         if exchange.pattern == "ring":
             senders = {t.dst: t.src for t in transfers}
@@ -554,10 +497,10 @@ class _Builder:
         groups = {r: len(g) for g in exchange.groups for r in g}
 
         def rows() -> np.ndarray:
-            sent = [exchange.rows_sent(r) for r in range(self.n)]
+            sent = _tally([(t.src, t.n_rows) for st in exchange.steps for t in st.transfers], self.n)
             if exchange.pattern == "all-gather":
-                sent = [s / max(groups.get(r, 2) - 1, 1) for r, s in enumerate(sent)]
-            return np.array(sent, dtype=float)
+                sent = np.array([s / max(groups.get(r, 2) - 1, 1) for r, s in enumerate(sent.tolist())])
+            return sent
 
         key = ("packed-rows", self.p.transport, a.kind, a.window)
         nbytes = 2 * self.derived(key, rows) * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
@@ -571,9 +514,12 @@ class _Builder:
         work = self.cached(("kv", a, phase, step, payload), lambda: self.kv_comm(a, phase, step, payload))
         return self.add(name, phase, li, work, *deps)
 
+    def pattern(self, a: AttentionSpec, phase: Phase) -> str:
+        return "none" if self.keys_at_home else self.lay.exchange(a, phase).pattern
+
     def attention_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
         """Local attention runs while the remote K/V arrive; the rest waits for them."""
-        pattern = self.lay.exchange(a, phase).pattern
+        pattern = self.pattern(a, phase)
         if pattern == "none":
             return self.attend(li, a, phase, pattern, 0, x)
         if pattern != "ring":
@@ -590,7 +536,7 @@ class _Builder:
     def attention_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
         """Remote pairs first, so their dK/dV travel home while the local backward runs."""
         ph: Phase = "backward"
-        pattern = self.lay.exchange(a, ph).pattern
+        pattern = self.pattern(a, ph)
         if pattern == "none":
             return self.attend(li, a, ph, pattern, 0, x)
         if pattern != "ring":
@@ -734,7 +680,8 @@ class _Builder:
         """Self-conditioning: the expected share of a gradient-free forward of the canvas tokens
         and their LM head, appended as work scaled by the pass's probability."""
         p = self.obj.canvas_passes
-        sub = _Builder(self.m, self.w, self.p, canvas_view(self.lay), self.gpn, self.ops, self.notes)
+        sub = _Builder(self.m, self.w, self.p, canvas_view(self.lay), self.gpn, self.ops, self.notes,
+                       keys_at_home=self.keys_at_home)
         start = len(self.ops)
         for li, a in enumerate(self.m.layers):
             x = sub.layer(li, a, "forward", x)
@@ -898,6 +845,15 @@ class _LayerTemplate:
                    for k, (name, phase, work, (after_input, inner)) in enumerate(self.ops))
         after_input, inner = self.out
         return (inputs if after_input else ()) + tuple(map(shift, inner))
+
+
+def _tally(rows: list[tuple[int, int]], n: int) -> np.ndarray:
+    """Per rank, the sum of the rows listed against it: (rank, rows) pairs, exact in float64."""
+    out = np.zeros(n)
+    if rows:
+        ranks, counts = zip(*rows)
+        np.add.at(out, np.array(ranks), np.array(counts, dtype=float))
+    return out
 
 
 def _scaled(work: Work, p: float) -> Work:

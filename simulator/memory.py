@@ -8,11 +8,14 @@ differ exactly where their layouts do; pure BP holds its replicated clean prefix
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
+from csbp.simulator import kv_rows
 from csbp.simulator.hardware import HardwareProfile
 from csbp.simulator.layout import Layout, kv_row_bytes
 from csbp.simulator.objectives import objective_shape
@@ -49,7 +52,7 @@ class MemoryEstimate:
     capacity_gib: float
     reserved_gib: float
 
-    @property
+    @cached_property
     def totals_gib(self) -> list[float]:
         return [sum(parts.values()) for parts in self.per_rank]
 
@@ -104,10 +107,8 @@ def saved_bytes_per_token(model: ModelSpec, a: AttentionSpec, dtype_bytes: int, 
 
 def kv_buffer_rows(layout: Layout, a: AttentionSpec, rank: int) -> int:
     """Rows of remote K/V a rank holds at once for one layer (a ring keeps two steps in flight)."""
-    ex = layout.exchange(a, "forward")
-    if ex.pattern == "ring":
-        return 2 * max((sum(t.n_rows for t in s.transfers if t.dst == rank) for s in ex.steps), default=0)
-    return ex.rows_received(rank)
+    held = kv_rows.held_at_once(layout, a)[rank]
+    return int(2 * held if kv_rows.pattern(layout, a, "forward") == "ring" else held)
 
 
 def weight_state(model: ModelSpec, workload: Workload, plan: Plan) -> dict[str, float]:
@@ -158,48 +159,68 @@ def dense_score_bytes(layout: Layout, a: AttentionSpec, rank: int, micro_batch: 
     scores, the temporaries of forward and backward, the allocator's fragmentation) of its
     queries against its own positions and the K/V rows it holds at once (all received rows;
     one shard per step of a ring)."""
-    share, exchange = layout.shares[rank], layout.exchange(a, "forward")
-    if exchange.pattern == "ring":
-        held = max((sum(t.n_rows for t in s.transfers if t.dst == rank) for s in exchange.steps), default=0)
-    else:
-        held = exchange.rows_received(rank)
-    keys = share.n_positions + held
-    return copies * micro_batch * share.n_positions * keys * a.n_heads / tp * dtype_bytes
+    return float(_dense_score_bytes(layout, a, micro_batch, dtype_bytes, tp, copies)[rank])
+
+
+def _dense_score_bytes(layout: Layout, a: AttentionSpec, micro_batch: int, dtype_bytes: int,
+                       tp: int, copies: float) -> np.ndarray:
+    positions = _per_rank(layout, "positions")
+    keys = positions + kv_rows.held_at_once(layout, a)
+    return copies * micro_batch * positions * keys * a.n_heads / tp * dtype_bytes
+
+
+def _per_rank(layout: Layout, what: str) -> np.ndarray:
+    """Positions, noisy positions or clean K/V rows each rank holds (once per ownership)."""
+    key = ("memory", what)
+    if key not in layout.derived:
+        L = layout.seq_len
+        count = {"positions": lambda s: s.n_positions,
+                 "noisy": lambda s: size(intersect(s.positions, ((0, L),))),
+                 "context": lambda s: size(intersect(s.owned_kv, ((L, 2 * L),)))}[what]
+        layout.derived[key] = np.array([count(s) for s in layout.shares], dtype=np.int64)
+    return layout.derived[key]
 
 
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                     profile: HardwareProfile) -> MemoryEstimate:
-    dt, tp, mb, L = workload.dtype_bytes, plan.tp, workload.micro_batch, workload.seq_len
+    """Every rank at once: the same arithmetic per rank as a loop over ranks, on arrays."""
+    dt, tp, mb = workload.dtype_bytes, plan.tp, workload.micro_batch
     weights = weight_state(model, workload, plan)
     full_ckpt = workload.checkpointing == "full"
     kinds = model.attention_kinds()  # identical layers hold identical buffers
     obj = objective_shape(workload, model)
-    per_rank = []
-    for r, share in enumerate(layout.shares):
-        tokens = share.n_positions * mb
-        noisy = size(intersect(share.positions, ((0, L),))) * mb
-        saved = {a: tokens * saved_bytes_per_token(model, a, dt, tp) for a in kinds}
-        kv = {a: kv_buffer_rows(layout, a, r) * mb * kv_row_bytes(a, dt, tp) for a in kinds}
-        hidden = tokens * model.hidden * dt / tp  # one hidden-state tensor, SP-sharded
-        if full_ckpt:
-            # every layer's input, plus one layer recomputed with its gathered K/V, the matching
-            # dK/dV buffer and the gradients flowing in and out of it
-            activations = model.n_layers * hidden + max(saved.values()) + 2 * hidden
-            kv_buffers = 2 * max(kv.values())
-        else:
-            # every layer keeps its tensors and its gathered K/V; one dK/dV buffer at a time
-            activations = sum(n * saved[a] for a, n in kinds.items()) + 2 * hidden
-            kv_buffers = sum(n * kv[a] for a, n in kinds.items()) + max(kv.values())
-        if obj.context_as_kv:
-            context = size(intersect(share.owned_kv, ((L, 2 * L),))) * mb
-            activations += context_bytes(model, kinds, context, dt, tp, keep_kv=not full_ckpt)
-        logits = loss_bytes(model, noisy, obj.vocab_block, dt, tp)
-        parts = {**weights, "activations": activations, "kv_buffers": kv_buffers, "logits": logits}
-        copies = profile.gpu.dense_score_copies
-        if profile.gpu.dense_attention and copies:
-            parts["attention_scores"] = max(dense_score_bytes(layout, a, r, mb, dt, tp, copies)
-                                            for a in kinds)
-        gib = {k: v / GIB for k, v in parts.items()}
-        gib["reserved"] = profile.gpu.reserved_gib
-        per_rank.append(gib)
-    return MemoryEstimate(tuple(per_rank), profile.gpu.memory_gib, profile.gpu.reserved_gib)
+    tokens = _per_rank(layout, "positions") * mb
+    noisy = _per_rank(layout, "noisy") * mb
+    saved = {a: tokens * saved_bytes_per_token(model, a, dt, tp) for a in kinds}
+    kv = {a: kv_buffer_rows_all(layout, a) * mb * kv_row_bytes(a, dt, tp) for a in kinds}
+    hidden = tokens * model.hidden * dt / tp  # one hidden-state tensor, SP-sharded
+    if full_ckpt:
+        # every layer's input, plus one layer recomputed with its gathered K/V, the matching
+        # dK/dV buffer and the gradients flowing in and out of it
+        activations = model.n_layers * hidden + functools.reduce(np.maximum, saved.values()) + 2 * hidden
+        kv_buffers = 2 * functools.reduce(np.maximum, kv.values())
+    else:
+        # every layer keeps its tensors and its gathered K/V; one dK/dV buffer at a time
+        activations = sum(n * saved[a] for a, n in kinds.items()) + 2 * hidden
+        kv_buffers = sum(n * kv[a] for a, n in kinds.items()) + functools.reduce(np.maximum, kv.values())
+    if obj.context_as_kv:
+        context = _per_rank(layout, "context") * mb
+        activations = activations + context_bytes(model, kinds, context, dt, tp, keep_kv=not full_ckpt)
+    logits = {n: loss_bytes(model, n, obj.vocab_block, dt, tp) for n in set(noisy.tolist())}
+    parts = {**weights, "activations": activations, "kv_buffers": kv_buffers,
+             "logits": np.array([logits[n] for n in noisy.tolist()])}
+    copies = profile.gpu.dense_score_copies
+    if profile.gpu.dense_attention and copies:
+        parts["attention_scores"] = functools.reduce(np.maximum, (
+            _dense_score_bytes(layout, a, mb, dt, tp, copies) for a in kinds))
+    gib = {k: (v / GIB).tolist() if isinstance(v, np.ndarray) else [v / GIB] * layout.size
+           for k, v in parts.items()}
+    gib["reserved"] = [profile.gpu.reserved_gib] * layout.size
+    per_rank = tuple(dict(zip(gib, values)) for values in zip(*gib.values()))
+    return MemoryEstimate(per_rank, profile.gpu.memory_gib, profile.gpu.reserved_gib)
+
+
+def kv_buffer_rows_all(layout: Layout, a: AttentionSpec) -> np.ndarray:
+    """`kv_buffer_rows` of every rank."""
+    held = kv_rows.held_at_once(layout, a)
+    return 2 * held if kv_rows.pattern(layout, a, "forward") == "ring" else held

@@ -13,7 +13,8 @@ from csbp.simulator.engine import ENGINES, simulate_graph, summarize
 from csbp.simulator.errors import InputError
 from csbp.simulator.graph import StepGraph
 from csbp.simulator.hardware import HardwareProfile
-from csbp.simulator.layout import Layout, attention_bytes_received
+from csbp.simulator import kv_rows
+from csbp.simulator.layout import Layout, kv_row_bytes
 from csbp.simulator.memory import estimate_memory
 from csbp.simulator.plan import Plan
 from csbp.simulator.result import GIB, Result
@@ -53,7 +54,8 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     step = summary.step_time_s
     kv = np.zeros(layout.size)  # identical layers move identical rows: count each kind once
     for kind, count in model.attention_kinds().items():
-        kv += count * np.array(attention_bytes_received(layout, (kind,), workload.dtype_bytes, plan.tp))
+        rows = sum(kv_rows.received(layout, kind, phase) for phase in kv_rows.PHASES)
+        kv += count * (rows * kv_row_bytes(kind, workload.dtype_bytes, plan.tp))
     passes = workload.micro_batch * graph.views
     received = graph.received_bytes()
     executed = graph.flops()

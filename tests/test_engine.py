@@ -51,6 +51,18 @@ ENGINE_CASES = [
 
 
 @pytest.mark.parametrize("name,model,plan,kw", ENGINE_CASES, ids=[c[0] for c in ENGINE_CASES])
+def test_one_pass_is_the_event_queue_bit_for_bit(name, model, plan, kw, h200):
+    """The event engine's one pass over the program gives the simpy event queue's timeline."""
+    from csbp.simulator.engine import des, durations
+
+    g = graph(model, plan, **{"seq_len": 16 * 1024, **kw})
+    d = durations(g, h200)
+    for overlap in (True, False):
+        fast, events = des.run(g, d, overlap), des.run_events(g, d, overlap)
+        assert np.array_equal(fast.start, events.start) and np.array_equal(fast.finish, events.finish)
+
+
+@pytest.mark.parametrize("name,model,plan,kw", ENGINE_CASES, ids=[c[0] for c in ENGINE_CASES])
 def test_closed_form_agrees_with_des_without_overlap(name, model, plan, kw, h200):
     g = graph(model, plan, **kw)
     des, _ = simulate_graph(g, h200, "des", overlap=False)

@@ -1,11 +1,16 @@
-"""Discrete-event simulation of one step (simpy): a compute and a communication stream per rank.
+"""Discrete-event simulation of one step: a compute and a communication stream per rank.
 
 Each stream runs its ops in program order (like a CUDA stream); an op starts when its inputs are
 done and its stream is free; a collective starts when its last member has arrived and ends for
 all members together. Transfers on one rank queue behind each other, which the closed form
-ignores. Events stay few: one timeout per op, plus a wait only where an input is not done yet,
-so a 1024-GPU plan (16 representative ranks x 64 layers) takes about a second.
-With overlap=False a rank has one stream for both.
+ignores. With overlap=False a rank has one stream for both.
+
+Every wait points backwards in program order (an input, the stream's previous op) or to the same
+op on another rank (a collective's members, a p2p sender), so the order in which an event queue
+processes simultaneous events never changes a time: `run` computes the event queue's timeline in
+one pass over the program (`program.run` with queueing transfers), the same maxima and additions
+without an event per op. `run_events` is that event queue (simpy), kept as the reference the
+tests hold `run` equal to, bit for bit.
 """
 
 from __future__ import annotations
@@ -13,11 +18,16 @@ from __future__ import annotations
 import numpy as np
 import simpy
 
-from csbp.simulator.engine import Timeline
+from csbp.simulator.engine import Timeline, program
 from csbp.simulator.graph import Comm, StepGraph
 
 
 def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
+    return Timeline(*program.run(graph, d, overlap, queue_comm=True))
+
+
+def run_events(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
+    """The same timeline from simpy processes, one per stream and rank (the reference)."""
     env = simpy.Environment()
     start = np.zeros_like(d)
     finish = np.full_like(d, np.nan)

@@ -1,0 +1,110 @@
+"""Attention pairs of a rank's queries against any set of keys, by prefix sums.
+
+Every query of the mask sees at most two runs of keys (`mask.visible_intervals`), so the number
+of pairs whose key is below x is a piecewise-linear function of x, G(x), kept as sorted interval
+ends with running sums; the pairs with keys in [s, e) are G(e) - G(s). One rank's queries are
+then counted against every shard of its group at once (a ring's steps, a collective's local and
+remote keys) in a few array operations instead of a pass over the intervals per shard, which is
+what made a large ring's split cost ranks^2 passes. Integer arithmetic: the counts are exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from csbp.simulator import mask
+from csbp.simulator.layout import Layout
+from csbp.simulator.spans import Span, normalize
+
+
+class QueryIntervals:
+    """The key intervals a rank's queries see, so attention work can be split by where keys live.
+
+    Without a window all queries of one block see the same intervals, so they are kept once with
+    a weight (the block's positions among the queries).
+    """
+
+    def __init__(self, queries: tuple[Span, ...], seq_len: int, block: int,
+                 window: int | None = None) -> None:
+        if window is None:  # one representative query per (stream, block)
+            q, self.weight = _touched_blocks(queries, block)
+            q = q * block
+        else:
+            q = mask.span_positions(queries)
+            self.weight = np.ones(q.size, dtype=np.int64)
+        self.intervals = mask.visible_intervals(q, seq_len, block, window)
+        a = np.concatenate([lo for lo, _ in self.intervals])
+        z = np.concatenate([hi for _, hi in self.intervals])
+        w = np.concatenate([self.weight] * len(self.intervals))
+        seen = z > a
+        a, z, w = a[seen], z[seen], w[seen]
+        self._total = int((w * (z - a)).sum())
+        self._starts = _RunningSums(a, w)
+        self._stops = _RunningSums(z, w)
+
+    @classmethod
+    def of(cls, layout: Layout, rank: int, window: int | None = None) -> "QueryIntervals":
+        return cls(layout.shares[rank].positions, layout.seq_len, layout.block, window)
+
+    def total(self) -> int:
+        """Every pair of the rank's queries (the mask's count, at one query per block)."""
+        return self._total
+
+    def below(self, x: np.ndarray) -> np.ndarray:
+        """G(x): pairs whose key position is < x, for each x.
+
+        A query interval [a, z) holds min(max(x - a, 0), z - a) keys below x, which is
+        (x - a)+ - (x - z)+: a sum over the interval starts below x minus one over the stops.
+        """
+        x = np.asarray(x, dtype=np.int64)
+        return self._starts.ramp(x) - self._stops.ramp(x)
+
+    def pairs_with(self, keys: tuple[Span, ...]) -> int:
+        """Pairs whose key lies in `keys`."""
+        keys = normalize(keys)
+        if not keys:
+            return 0
+        s, e = np.array(keys, dtype=np.int64).T
+        return int((self.below(e) - self.below(s)).sum())
+
+    def pairs_with_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
+        """Pairs with each of several key sets (each a tuple of disjoint spans), in one pass."""
+        spans = [(i, s, e) for i, keys in enumerate(key_sets) for s, e in normalize(keys)]
+        out = np.zeros(len(key_sets), dtype=np.int64)
+        if spans:
+            which, s, e = np.array(spans, dtype=np.int64).T
+            np.add.at(out, which, self.below(e) - self.below(s))
+        return out
+
+
+class _RunningSums:
+    """Sorted interval ends with the running sums of their weights and of weight x end."""
+
+    def __init__(self, ends: np.ndarray, weights: np.ndarray) -> None:
+        order = np.argsort(ends, kind="stable")
+        self.ends, w = ends[order], weights[order]
+        self.weight = np.concatenate([[0], np.cumsum(w)])
+        self.moment = np.concatenate([[0], np.cumsum(w * self.ends)])
+
+    def ramp(self, x: np.ndarray) -> np.ndarray:
+        """sum of w * (x - end) over the ends below x."""
+        k = np.searchsorted(self.ends, x, side="left")
+        return self.weight[k] * x - self.moment[k]
+
+
+def _touched_blocks(spans: tuple[Span, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks the spans touch, positions of the spans in each), sorted: the spans' positions
+    grouped by block without listing every position (spans are sorted and disjoint)."""
+    if not spans:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    ids = [np.arange(s // block, (e - 1) // block + 1, dtype=np.int64) for s, e in spans]
+    lo, hi = (np.repeat(ends, [len(i) for i in ids]) for ends in zip(*spans))
+    ids = np.concatenate(ids)
+    counts = np.minimum(hi, (ids + 1) * block) - np.maximum(lo, ids * block)
+    first = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]]))  # spans may share a block
+    return ids[first], np.add.reduceat(counts, first)
+
+
+def pairs_with_keys(layout: Layout, rank: int, keys: tuple[Span, ...], window: int | None = None) -> int:
+    """Pairs of the rank's queries whose key lies in `keys`."""
+    return QueryIntervals.of(layout, rank, window).pairs_with(keys)

@@ -1,0 +1,64 @@
+"""Per-rank K/V row counts from the shares alone equal the counts of the layout's own exchanges."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from csbp.simulator import kv_rows, mask
+from csbp.simulator.layout import Layout
+from csbp.simulator.objective_layout import AnchorLayout
+from csbp.simulator.pairs import QueryIntervals
+from csbp.simulator.plan import Plan
+from csbp.simulator.spec import AttentionSpec
+
+from test_layout import FULL, layouts, sliding
+
+LINEAR = AttentionSpec(kind="linear", n_heads=4, n_kv_heads=2, head_dim=8)
+
+
+def from_exchange(lay: Layout, a: AttentionSpec, phase: str) -> list[int]:
+    ex = lay.exchange(a, phase)
+    return [ex.rows_received(r) for r in range(lay.size)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(layouts(), st.sampled_from([FULL, LINEAR, sliding(1), sliding(3), sliding(8)]),
+       st.sampled_from(["full", "none"]))
+def test_rows_received_equal_the_exchanges(lay, a, ckpt):
+    lay = Layout(lay.seq_len, lay.block, lay.plan, ckpt)
+    for phase in kv_rows.PHASES:
+        assert kv_rows.pattern(lay, a, phase) == lay.exchange(a, phase).pattern
+        assert kv_rows.received(lay, a, phase).tolist() == from_exchange(lay, a, phase)
+    ex = lay.exchange(a, "forward")
+    per_step = [[sum(t.n_rows for t in s.transfers if t.dst == r) for s in ex.steps] for r in range(lay.size)]
+    if ex.pattern == "ring":
+        assert kv_rows.held_at_once(lay, a).tolist() == [max(s, default=0) for s in per_step]
+
+
+def test_drafter_rows_equal_the_exchanges():
+    for plan in (Plan(cp=4), Plan(cp=2, bp=4), Plan(cp=2, bp=4, transport="ring"), Plan(bp=4)):
+        lay = AnchorLayout(64, 4, plan, "full", anchors=6)
+        for a in (FULL, sliding(5)):
+            for phase in kv_rows.PHASES:
+                assert kv_rows.received(lay, a, phase).tolist() == from_exchange(lay, a, phase)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts(), st.sampled_from([None, 1, 3, 8]))
+def test_pairs_with_each_shard_count_the_mask(lay, window):
+    """Prefix-sum pair counts against every shard equal counting each shard on its own."""
+    shards = [s.owned_kv for s in lay.shares] + [((0, 2 * lay.seq_len),), ()]
+    for r in range(lay.size):
+        q = QueryIntervals.of(lay, r, window)
+        each = q.pairs_with_each(shards)
+        keys = np.arange(2 * lay.seq_len)
+        pos = mask.span_positions(lay.shares[r].positions)
+        vis = mask.visible(pos[:, None], keys[None, :], lay.seq_len, lay.block, window)
+        for j, shard in enumerate(shards):
+            inside = np.zeros(keys.size, dtype=bool)
+            for s, e in shard:
+                inside[s:e] = True
+            assert each[j] == q.pairs_with(shard) == int(vis[:, inside].sum())
+        assert q.total() == int(vis.sum())
