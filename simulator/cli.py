@@ -19,6 +19,7 @@ COMMANDS = {  # name -> (module, one-line help shown by `csbp --help`)
     "plan": ("csbp.simulator.commands.plan", "rank every plan for a model, context and cluster (default)"),
     "simulate": ("csbp.simulator.commands.simulate", "predict step time, tokens/s and memory of one plan"),
     "sweep": ("csbp.simulator.commands.sweep", "plan over lists of contexts, models and GPU counts"),
+    "map": ("csbp.simulator.commands.map", "decision map: winning plan family and BP speedup per context x GPUs"),
     "run": ("csbp.runtime.launch", "run a plan for real on this host (gloo on CPU, NCCL on GPU)"),
     "calibrate": ("csbp.runtime.calibrate", "measure this host into a hardware profile"),
     "validate": ("csbp.runtime.validate", "compare predictions with runtime measurements"),

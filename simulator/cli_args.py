@@ -50,6 +50,21 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="profile name or YAML path")
     p.add_argument("--nodes", type=node_count, default=DEFAULT_NODES,
                    help=f"number of nodes (1 to {MAX_NODES})")
+    add_what_if_arg(p)
+
+
+def add_what_if_arg(p: argparse.ArgumentParser) -> None:
+    from csbp.simulator.what_if import help_text
+
+    p.add_argument("--what-if", default=None, metavar="NAME=VALUE,...", help=help_text())
+
+
+def profile_from_args(args: argparse.Namespace):
+    """The --hardware profile with --what-if applied (a `what_if.WhatIf`: profile + changes)."""
+    from csbp.simulator.hardware import load_profile
+    from csbp.simulator.what_if import apply
+
+    return apply(load_profile(args.hardware), getattr(args, "what_if", None))
 
 
 def node_count(text: str) -> int:

@@ -2,96 +2,41 @@
 
 The question a sweep answers is where each plan family stops winning, so the table keeps the best
 plan of every family (dp, cp, bp, csbp) per point, scored by one engine, and the plots read it:
-tokens/s vs context per family, speedup over the no-BP baseline, peak memory, and a crossover map
-of the winning family over context x GPU count.
+tokens/s vs context per family, speedup over the no-BP baseline, peak memory, and the decision
+map (`map_plot`) of the same searches as the crossover chart. The searches themselves are
+`grid.search_cells`, which `csbp map` shares.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from itertools import product
 from pathlib import Path
 
 import pandas as pd
 
-from csbp.simulator.cli_args import add_workload_args, inputs_from_args
-from csbp.simulator.errors import InputError
+from csbp.simulator.grid import Cell, CellSearch, search_cells
 from csbp.simulator.hardware import HardwareProfile
-from csbp.simulator.planner import FAMILIES, Search, fmt_tokens, label_of, search
-from csbp.simulator.workload import parse_tokens
+from csbp.simulator.plan import AXES
+from csbp.simulator.planner import FAMILIES, fmt_tokens, label_of
 
 COLUMNS = ("model", "seq_len", "gpus", "nodes", "family", "feasible", "plan", "tokens_per_s",
            "step_time_s", "peak_memory_gib", "attention_traffic_gib_per_gpu", "exposed_comm_s",
            "engine", "winner", "speedup_over_baseline", "baseline_plan")
 
 
-@dataclass(frozen=True)
-class Point:
-    """One planner run of the sweep."""
-
-    model: str
-    seq_len: int
-    gpus: int
-
-
-def split_list(text: str, what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    if not items:
-        raise InputError(f"--{what}: give a comma-separated list")
-    return items
-
-
-def points(models: Iterable[str], seq_lens: Iterable[str], gpus: Iterable[str],
-           profile: HardwareProfile) -> list[Point]:
-    """The grid, validated before any work starts: a bad name fails now, not an hour in."""
-    per_node = profile.node.gpus_per_node
-    counts = []
-    for g in gpus:
-        try:
-            n = int(g)
-        except ValueError:
-            raise InputError(f"--gpus: {g!r} is not a number") from None
-        if n < 1 or n % per_node:
-            raise InputError(f"impossible cluster: {n} GPUs is not a whole number of "
-                             f"{per_node}-GPU {profile.name} nodes")
-        counts.append(n)
-    lengths = []
-    for s in seq_lens:
-        try:
-            lengths.append(parse_tokens(s))
-        except ValueError as err:
-            raise InputError(str(err)) from None
-    grid = [Point(m, L, n) for m in models for L in lengths for n in counts]
-    for m in models:  # unknown model or seq-len / block-size mismatch: one line, exit 2
-        for L in lengths:
-            workload_inputs(m, L, _workload_defaults())
-    return grid
-
-
-def _workload_defaults() -> argparse.Namespace:
-    """The shared workload flags' defaults, so a sweep point means what `csbp plan` means."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_workload_args(parser)
-    return parser.parse_args([])
-
-
-def workload_inputs(model: str, seq_len: int, flags: argparse.Namespace):
-    return inputs_from_args(argparse.Namespace(**vars(flags) | {"model": model, "seq_len": seq_len}))
-
-
-def rows(point: Point, found: Search | None, reason: str = "") -> list[dict]:
-    """One row per family: the family's best plan, or why it has none."""
+def rows(answer: CellSearch) -> list[dict]:
+    """One row per family: the family's best plan at the cell, or why it has none."""
+    point, found = answer.cell, answer.found
     best = found.best_per_family() if found else {}
     base = found.baseline if found else None
     out = []
     for fam in FAMILIES:
         r = best.get(fam)
         row = {"model": point.model, "seq_len": point.seq_len, "gpus": point.gpus,
-               "nodes": found.nodes if found else None, "family": fam, "feasible": r is not None,
-               "plan": label_of(r) if r else reason or "no feasible plan",
+               "nodes": answer.nodes, "family": fam, "feasible": r is not None,
+               "plan": label_of(r) if r else answer.reason or "no feasible plan",
                "engine": r.engine if r else None,
                "winner": bool(r is not None and r is found.recommended),
                "baseline_plan": label_of(base) if base else None,
@@ -103,30 +48,25 @@ def rows(point: Point, found: Search | None, reason: str = "") -> list[dict]:
     return out
 
 
-def run_sweep(grid: list[Point], profile: HardwareProfile, *, block_size: int, engine: str,
-              on_point: Callable[[Point], None] = lambda p: None) -> pd.DataFrame:
-    """The planner at every point; a point where nothing fits is data, not an error."""
-    flags = _workload_defaults()
-    flags.block_size = block_size
-    table: list[dict] = []
-    for point in grid:
-        inputs = workload_inputs(point.model, point.seq_len, flags)
-        nodes = point.gpus // profile.node.gpus_per_node
-        try:
-            found = search(inputs.model, inputs.workload, profile, nodes, engine=engine)
-            table += rows(point, found)
-        except InputError as err:  # nothing feasible at this point
-            table += rows(point, None, reason=str(err))
-        on_point(point)
-    return pd.DataFrame(table, columns=list(COLUMNS))
+def sweep_table(answers: list[CellSearch]) -> pd.DataFrame:
+    """The sweep's view of the grid search (`grid.search_cells`, shared with `csbp map`)."""
+    return pd.DataFrame([row for a in answers for row in rows(a)], columns=list(COLUMNS))
 
 
-def save_table(df: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """CSV always; Parquet too when pyarrow (or fastparquet) is installed."""
-    paths = [out_dir / "sweep.csv"]
+def run_sweep(grid: list[Cell], profile: HardwareProfile, *, block_size: int, engine: str,
+              axes: tuple[str, ...] = AXES, jobs: int = 1,
+              on_point: Callable[[Cell], None] = lambda p: None) -> pd.DataFrame:
+    """The planner at every cell, one row per family."""
+    return sweep_table(search_cells(grid, profile, block_size=block_size, engine=engine, axes=axes,
+                                    jobs=jobs, on_done=on_point))
+
+
+def save_table(df: pd.DataFrame, out_dir: Path, stem: str = "sweep") -> list[Path]:
+    """CSV always; Parquet too when pyarrow (or fastparquet) is installed (not a dependency)."""
+    paths = [out_dir / f"{stem}.csv"]
     df.to_csv(paths[0], index=False)
     if importlib.util.find_spec("pyarrow") or importlib.util.find_spec("fastparquet"):
-        paths.append(out_dir / "sweep.parquet")
+        paths.append(out_dir / f"{stem}.parquet")
         df.to_parquet(paths[-1], index=False)
     return paths
 
@@ -162,7 +102,7 @@ def _per_family(df: pd.DataFrame, column: str, ylabel: str, path: Path, hline: f
         ax.set_title(f"{model}, {gpus} GPUs", fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _speedup(df: pd.DataFrame, path: Path) -> Path:
@@ -177,38 +117,15 @@ def _speedup(df: pd.DataFrame, path: Path) -> Path:
     _context_axis(ax, df.seq_len.unique())
     ax.set_ylabel("speedup of the recommended plan\nover the best plan without BP")
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _crossover(df: pd.DataFrame, path: Path) -> Path:
-    """Which family wins at each (context, GPU count), one panel per model."""
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-
-    models = list(dict.fromkeys(df.model))
-    lengths, counts = sorted(df.seq_len.unique()), sorted(df.gpus.unique())
-    cmap = ListedColormap(["white"] + [FAMILY_COLORS[f] for f in FAMILIES])
-    width = max(4.0, 1.1 * len(lengths) + 1.5)
-    fig, axes = plt.subplots(1, len(models), figsize=(width * len(models), 0.6 * len(counts) + 2),
-                             squeeze=False)
-    for ax, model in zip(axes[0], models):
-        winners = df[(df.model == model) & df.winner].set_index(["gpus", "seq_len"]).family
-        grid = [[FAMILIES.index(winners[(g, L)]) + 1 if (g, L) in winners.index else 0
-                 for L in lengths] for g in counts]
-        ax.imshow(grid, cmap=cmap, vmin=0, vmax=len(FAMILIES), aspect="auto", origin="lower")
-        for i, g in enumerate(counts):
-            for j, L in enumerate(lengths):
-                ax.text(j, i, winners.get((g, L), "none"), ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(lengths)), [fmt_tokens(int(L)) for L in lengths])
-        ax.set_yticks(range(len(counts)), [str(g) for g in counts])
-        ax.set_xlabel("context length")
-        ax.set_ylabel("GPUs")
-        ax.set_title(f"winning family: {model}", fontsize=9)
-    return _save(fig, path)
-
-
-def plot_sweep(df: pd.DataFrame, out_dir: Path, memory_gib: float) -> list[Path]:
+def plot_sweep(df: pd.DataFrame, out_dir: Path, memory_gib: float, cells: pd.DataFrame) -> list[Path]:
+    """The per-family charts of `df`, and the decision map of `cells` (`decision_map.map_table`
+    of the same searches) as the crossover chart."""
     import matplotlib
+
+    from csbp.simulator.map_plot import draw_map
 
     matplotlib.use("Agg")
     return [
@@ -216,11 +133,11 @@ def plot_sweep(df: pd.DataFrame, out_dir: Path, memory_gib: float) -> list[Path]
         _speedup(df, out_dir / "speedup.png"),
         _per_family(df, "peak_memory_gib", "peak memory per GPU (GiB),\nfastest plan of the family",
                     out_dir / "peak_memory.png", hline=memory_gib),
-        _crossover(df, out_dir / "crossover.png"),
+        draw_map(cells, out_dir / "crossover.png"),
     ]
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     """Lay out, write and free one figure: every sweep chart ends the same way."""
     import matplotlib.pyplot as plt
 

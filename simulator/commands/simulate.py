@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from csbp.simulator.cli_args import (add_cluster_args, add_from_arg, add_plan_args, add_workload_args,
-                                imported_inputs, inputs_from_args, plan_from_args)
+                                imported_inputs, inputs_from_args, plan_from_args, profile_from_args)
 from csbp.simulator.report import print_json, print_result
 
 
@@ -27,15 +27,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def result_of(args: argparse.Namespace):
-    """The simulated step the flags describe (`csbp.simulate(...)` returns it)."""
-    from csbp.simulator.hardware import load_profile
+    """The simulated step the flags describe (`csbp.simulate(...)` returns it); a --what-if's
+    scaled figures are in its notes (and its hardware name), so text and JSON both state them."""
     from csbp.simulator.simulate import simulate
 
-    profile = load_profile(args.hardware)
+    what_if = profile_from_args(args)
+    profile = what_if.profile
     imported = imported_inputs(args, args.nodes * profile.node.gpus_per_node)
     inputs, plan = imported or (inputs_from_args(args), plan_from_args(args))
-    return simulate(inputs.model, inputs.workload, plan, profile, args.nodes,
-                    engine=args.engine, overlap=not args.no_overlap)
+    result = simulate(inputs.model, inputs.workload, plan, profile, args.nodes,
+                      engine=args.engine, overlap=not args.no_overlap)
+    result.notes.extend(what_if.lines())
+    return result
 
 
 def run(args: argparse.Namespace) -> int:

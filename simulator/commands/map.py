@@ -1,0 +1,139 @@
+"""`csbp map`: the decision map of one model on one hardware profile, context x GPU count."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from csbp.simulator.cli_args import DEFAULT_HARDWARE, DEFAULT_MODEL, add_what_if_arg, profile_from_args
+from csbp.simulator.commands.plan import console, parse_axes
+from csbp.simulator.errors import InputError
+from csbp.simulator.plan import AXES
+from csbp.simulator.planner import available_cores, fmt_tokens
+from csbp.simulator.report import print_json
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+DEFAULT_SEQ_LENS = "64k,128k,256k,512k,1m"
+DEFAULT_GPUS = "8,16,32,64,128,256,512,1024"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("map", help="decision map: the winning plan family and BP's speedup per context x GPUs",
+                       description="Run `csbp plan` at every context length x GPU count for one model "
+                                   "and hardware profile (the same cell search as `csbp sweep`) and "
+                                   "save the map: CSV (and Parquet when pyarrow is installed), a "
+                                   "heatmap PNG (colour = recommended family, label = speedup of the "
+                                   "best BP plan over the best plan without BP, hatched = nothing "
+                                   "fits) and a paragraph on where the crossovers are.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or path to a Hugging Face config.json")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="profile name or YAML path")
+    add_what_if_arg(p)
+    p.add_argument("--seq-lens", default=DEFAULT_SEQ_LENS, help="comma-separated context lengths")
+    p.add_argument("--gpus", default=DEFAULT_GPUS, help="comma-separated GPU counts (whole nodes)")
+    p.add_argument("--block-size", type=int, default=256, help="diffusion block size b")
+    p.add_argument("--axes", default=",".join(AXES), help="axes the search may use (default: all)")
+    p.add_argument("--engine", default="des", choices=["des", "closed-form"],
+                   help="engine of the final ranking in each cell, as in csbp plan (closed-form: fastest)")
+    p.add_argument("--jobs", type=int, default=None, help="cells planned in parallel (default: all cores)")
+    p.add_argument("--out-dir", default="map", help="where the table, heatmap and reading go")
+    p.add_argument("--json", action="store_true", help="print one JSON object (cells, reading, files)")
+    p.set_defaults(func=run)
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a model or profile name."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
+
+
+def run(args: argparse.Namespace) -> int:
+    from csbp.simulator.decision_map import map_table  # pandas: slow import
+    from csbp.simulator.grid import cells, search_cells, split_list
+    from csbp.simulator.map_plot import draw_map
+    from csbp.simulator.map_reading import read_map
+    from csbp.simulator.presets import load_model
+    from csbp.simulator.sweep import save_table
+
+    jobs = available_cores() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise InputError(f"--jobs {jobs}: must be at least 1")
+    axes = parse_axes(args.axes)
+    what_if = profile_from_args(args)
+    profile = what_if.profile
+    model_name = load_model(args.model).name
+    grid = cells([args.model], split_list(args.seq_lens, "seq-lens"), split_list(args.gpus, "gpus"),
+                 profile, args.block_size)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = console(stderr=True)
+    start = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=log, transient=args.json) as bar:
+        task = bar.add_task(f"mapping {model_name} on {profile.name}", total=len(grid))
+
+        def done(c) -> None:
+            bar.update(task, advance=1, description=f"{fmt_tokens(c.seq_len)} on {c.gpus} GPUs")
+
+        answers = search_cells(grid, profile, block_size=args.block_size, engine=args.engine,
+                               axes=axes, jobs=jobs, on_done=done)
+    seconds = time.perf_counter() - start
+    df = map_table(answers, profile.name)
+    reading = read_map(df)
+    stem = f"map-{slug(model_name)}-{slug(profile.name)}"
+    files = save_table(df, out_dir, stem)
+    subtitle = f" on {profile.name}" + (f"\n{what_if.spec}" if what_if.changes else "")
+    files.append(draw_map(df, out_dir / f"{stem}.png", subtitle))
+    reading_path = out_dir / f"{stem}.md"
+    reading_path.write_text(_reading_md(model_name, profile.name, what_if, reading, files, args) + "\n")
+    files.append(reading_path)
+    log.print(f"mapped {len(grid)} cells in {seconds:.1f} s ({jobs} jobs)", highlight=False)
+    if args.json:
+        print_json({"model": model_name, "hardware": profile.name, "engine": args.engine,
+                    "what_if": what_if.to_json(), "reading": reading,
+                    "cells": df.astype(object).where(df.notna(), None).to_dict("records"),
+                    "files": [str(f) for f in files]})
+        return 0
+    out = console()
+    out.print(_grid_table(df, model_name, profile.name))
+    for line in what_if.lines():
+        out.print(line, highlight=False)
+    out.print(reading, highlight=False)
+    for f in files:
+        out.print(f"wrote {f}", highlight=False)
+    return 0
+
+
+def _reading_md(model: str, hardware: str, what_if, reading: str, files, args) -> str:
+    head = [f"# Decision map: {model} on {hardware}", "",
+            f"`csbp map --model {args.model} --hardware {args.hardware}"
+            + (f" --what-if {what_if.spec}" if what_if.changes else "")
+            + f" --seq-lens {args.seq_lens} --gpus {args.gpus} --engine {args.engine}`", ""]
+    head += [f"- {line}" for line in what_if.lines()] + ([""] if what_if.changes else [])
+    return "\n".join(head + [reading, "", f"![map]({files[-1].name})"])
+
+
+def _grid_table(df: pd.DataFrame, model: str, hardware: str) -> Table:
+    from csbp.simulator.decision_map import cell_text
+
+    lengths, counts = sorted(df.seq_len.unique()), sorted(df.gpus.unique())
+    table = Table(title=f"Decision map: {model} on {hardware} (recommended family; best BP / best no-BP)",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("GPUs", justify="right")
+    for L in lengths:
+        table.add_column(fmt_tokens(int(L)), justify="left")
+    cellsby = df.set_index(["gpus", "seq_len"])
+    for g in reversed(counts):
+        row = []
+        for L in lengths:
+            r = cellsby.loc[(g, L)]
+            row.append(f"{r.family_label} {cell_text(r)}" if r.feasible else "[dim]none fits[/]")
+        table.add_row(str(g), *row)
+    return table
