@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console
@@ -11,9 +12,8 @@ from rich.table import Table
 
 from csbp.simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN,
                                 add_cluster_args, add_from_arg, add_workload_args, imported_inputs,
-                                inputs_from_args)
+                                inputs_from_args, profile_from_args)
 from csbp.simulator.errors import InputError
-from csbp.simulator.hardware import load_profile
 from csbp.simulator.plan import AXES
 from csbp.simulator.planner import Search, cluster_gpus, fmt_tokens, label_of, plan_of, search
 from csbp.simulator.report import fmt_time, print_json
@@ -21,6 +21,10 @@ from csbp.simulator.presets import PRESET_NAMES, load_model
 from csbp.simulator.result import Result
 from csbp.simulator.simulate import simulate
 from csbp.simulator.workload import Workload
+
+if TYPE_CHECKING:
+    from csbp.simulator.sensitivity import Sensitivity
+    from csbp.simulator.what_if import WhatIf
 
 DEFAULT_JOB = "Nemotron-Labs-Diffusion 8B at 256K on 2 x 8 H200"
 
@@ -47,6 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--emit", action="append", default=[], metavar="FORMAT",
                    help="also print the plan as turbo-dllm | megatron | torchtitan config "
                         "(repeatable; frameworks without BP get the best plan they can express)")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="also report how the recommendation and its speedup move when link "
+                        "bandwidths, attention efficiency and the memory reserve vary by +-20%% "
+                        "(closed-form re-ranking of the best candidates), and flag flips")
     add_from_arg(p)
     p.set_defaults(func=run)
 
@@ -101,6 +109,8 @@ class Planned:
     your_run: Result | None
     command: str | None  # the torchrun line for the written plan file
     emitted: dict[str, str]
+    what_if: WhatIf | None = None  # the --what-if changes the search ran on
+    sensitivity: Sensitivity | None = None  # --sensitivity
 
     @property
     def recommended(self) -> Result:
@@ -117,7 +127,8 @@ class Planned:
     def to_json(self) -> dict:
         return _json(self.found, self.args, self.command) | {
             "your_run": _your_run_json(self.your_run, self.found.recommended),
-            "emitted": self.emitted}
+            "emitted": self.emitted, "what_if": self.what_if.to_json() if self.what_if else [],
+            "sensitivity": self.sensitivity.to_json() if self.sensitivity else None}
 
 
 def answer(args: argparse.Namespace, announce=None) -> Planned:
@@ -127,7 +138,8 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
     searched = {"axes": parse_axes(args.axes), "workers": args.jobs}
     if args.checkpointing:
         searched["checkpointing"] = (args.checkpointing,)
-    profile = load_profile(args.hardware)
+    what_if = profile_from_args(args)
+    profile = what_if.profile
     world = cluster_gpus(profile, args.nodes)
     imported = imported_inputs(args, world)
     if imported:
@@ -139,6 +151,8 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
            f"{profile.node.gpus_per_node} {profile.gpu.name}")
     if is_default_job(args) and not imported:
         job = f"the built-in default job, {DEFAULT_JOB} ({job}); see csbp plan --help for other jobs"
+    if what_if.changes:
+        job += f", what-if {what_if.spec}"
     if announce:
         announce(f"Planning {job}")
     found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
@@ -150,7 +164,13 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
     your_run = simulate(inputs.model, inputs.workload, yours, profile, args.nodes,
                         engine=args.engine, with_trace=False) if yours else None
     emitted = emit_all(found, args.emit, args.nodes, profile.node.gpus_per_node)
-    return Planned(found, args, your_run, command, emitted)
+    sens = None
+    if args.sensitivity:
+        from csbp.simulator.sensitivity import sensitivity
+
+        sens = sensitivity(found, axes=searched["axes"], checkpointing=searched.get("checkpointing"),
+                           workers=args.jobs)
+    return Planned(found, args, your_run, command, emitted, what_if, sens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,6 +188,12 @@ def run(args: argparse.Namespace) -> int:
         for fmt, text in planned.emitted.items():
             console().print(f"\n[bold]{fmt}[/]:", highlight=False)
             print(text.rstrip())
+        for line in planned.what_if.lines():
+            console().print(line, highlight=False)
+        if planned.sensitivity:
+            from csbp.simulator.sensitivity_table import print_sensitivity
+
+            print_sensitivity(console(), planned.sensitivity)
     return 0
 
 
