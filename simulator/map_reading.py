@@ -103,7 +103,11 @@ def _bp_worth(df: pd.DataFrame, counts: list[int], lengths: list[int]) -> list[s
     both = df[df.bp_speedup.notna()]
     out = []
     pays = both[both.bp_speedup >= NOTABLE]
-    if len(pays):
+    if len(pays) == 1:
+        top = pays.iloc[0]
+        out.append(f"BP gains at least {(NOTABLE - 1) * 100:.0f} % over the best plan without it only "
+                   f"at {top.context} on {top.gpus} GPUs ({top.bp_speedup:.2f}x, {top.best_bp_plan})")
+    elif len(pays):
         top = pays.loc[pays.bp_speedup.idxmax()]
         out.append(f"BP gains at least {(NOTABLE - 1) * 100:.0f} % over the best plan without it at "
                    f"{where(pays, counts, lengths)}, most at {top.context} on {top.gpus} GPUs "
@@ -111,11 +115,14 @@ def _bp_worth(df: pd.DataFrame, counts: list[int], lengths: list[int]) -> list[s
     else:
         best = both.bp_speedup.max() if len(both) else None
         out.append(f"BP never gains {(NOTABLE - 1) * 100:.0f} % or more" + (f" (at best {best:.2f}x)" if best is not None else ""))
+    small = both[(both.bp_speedup >= TIE) & (both.bp_speedup < NOTABLE)]
+    if len(small):
+        out.append(f"it gains {(TIE - 1) * 100:.1f}-{(NOTABLE - 1) * 100:.0f} % at {where(small, counts, lengths)}")
     ties = both[(both.bp_speedup < TIE) & (both.bp_speedup > 1 / TIE)]
     if len(ties):
         picked = ties[ties.family.isin(["bp", "csbp"])]
         out.append(f"it ties the best no-BP plan within {(TIE - 1) * 100:.1f} % in {_cells(len(ties))}"
-                   + (f" ({len(picked)} of them recommended as BP on memory or traffic, not speed)"
+                   + (f" (the planner still recommends BP in {len(picked)} of them, by less than the tie)"
                       if len(picked) else ""))
     loses = both[both.bp_speedup <= 1 / TIE]
     if len(loses):

@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
     reading = read_map(df)
     stem = f"map-{slug(model_name)}-{slug(profile.name)}"
     files = save_table(df, out_dir, stem)
-    subtitle = f" on {profile.name}" + (f"\n{what_if.spec}" if what_if.changes else "")
-    files.append(draw_map(df, out_dir / f"{stem}.png", subtitle))
+    files.append(draw_map(df, out_dir / f"{stem}.png", f" on {profile.name}"))
     reading_path = out_dir / f"{stem}.md"
     reading_path.write_text(_reading_md(model_name, profile.name, what_if, reading, files, args) + "\n")
     files.append(reading_path)
