@@ -102,15 +102,18 @@ def _unpack(rows: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch
 class Attention:
     """One rank's attention for every layer of a model: `attend(layer, q, k, v)`.
 
-    `global_ranks[c]` is the global rank of context rank c (of this rank's DP replica);
-    `groups` maps each exchange group of the layout (context ranks) to its process group.
+    `global_ranks[c]` is the global rank of context rank c (of this rank's replica);
+    `groups` maps each exchange group of the layout (context ranks) to its process group;
+    `positions` orders the rank's positions as its tensors do (default: ascending).
     """
 
     def __init__(self, layers: tuple[AttentionSpec, ...], layout: Layout, ctx_rank: int = 0,
-                 comm=None, global_ranks: tuple[int, ...] = (0,), groups: dict | None = None):
+                 comm=None, global_ranks: tuple[int, ...] = (0,), groups: dict | None = None,
+                 positions: torch.Tensor | None = None):
         self.layers, self.layout, self.me = layers, layout, ctx_rank
         self.comm, self.global_ranks, self.groups = comm, global_ranks, groups or {}
-        self.positions = positions_of(layout.shares[ctx_rank].positions)
+        self.positions = (positions_of(layout.shares[ctx_rank].positions) if positions is None
+                          else positions)
         self._lookup = torch.full((2 * layout.seq_len,), -1, dtype=torch.long)
         self._lookup[self.positions] = torch.arange(len(self.positions))
         self._routes: dict[tuple, object] = {}

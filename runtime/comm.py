@@ -24,7 +24,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-CATEGORIES = ("attention-kv", "gradients", "other")
+# the step graph's traffic categories (simulator/graph.py): K/V exchange, gradient sums, tensor-
+# parallel activations, expert-parallel tokens, the rest (the step's loss)
+CATEGORIES = ("attention-kv", "gradients", "tp", "ep", "other")
 PHASES = ("forward", "recompute", "backward")
 
 # torch 2.13 renames these (the old names warn); older releases only have the old names.
@@ -137,12 +139,23 @@ class Comm:
         return received
 
     def all_reduce(self, t: torch.Tensor, category: str,
-                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
-        """In-place SUM (gloo rejects AVG on older torch; callers normalise by global counts)."""
+                   group: dist.ProcessGroup | None = None, op: str = "sum") -> torch.Tensor:
+        """In place, SUM or MAX (gloo rejects AVG on older torch; callers normalise by global
+        counts)."""
         size = dist.get_world_size(group) if dist.is_initialized() else 1
         if size > 1:
             with _calling("all_reduce"):
-                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                                group=group)
             volume = 2 * (size - 1) * _nbytes(t) // size
             self._count(category, volume, volume)
         return t
+
+
+def wire_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype activations travel in: autocast's (bf16/fp16) when it is on, as the step graph
+    prices them, else the tensor's own. Consumers under autocast cast to it anyway."""
+    device = t.device.type
+    if torch.is_autocast_enabled(device) and t.is_floating_point():
+        return torch.get_autocast_dtype(device)
+    return t.dtype

@@ -79,7 +79,7 @@ def job_from_args(args: argparse.Namespace):
     from csbp.runtime import checkpoint
     from csbp.simulator import planfile
     from csbp.runtime.model import check_supported
-    from csbp.runtime.plans.dp import check_supported as check_plan_supported
+    from csbp.runtime.plans import check_supported as check_plan_supported
     from csbp.runtime.train import Job
 
     if is_plan_file(args.plan):
@@ -90,7 +90,7 @@ def job_from_args(args: argparse.Namespace):
         model, workload, plan = inputs.model, inputs.workload, plan_from_args(args)
     plan.check_against(model, workload)
     check_supported(model)
-    check_plan_supported(plan)
+    check_plan_supported(model, workload, plan)
     if workload.objective != "bd3lm":
         raise InputError(f"objective {workload.objective} is not supported by the runtime yet "
                          "(use --objective bd3lm)")
@@ -101,6 +101,9 @@ def job_from_args(args: argparse.Namespace):
                          f"{MAX_TIMEOUT_S:.0f} seconds")
     if args.checkpoint_every < 0 or (args.checkpoint_every and not args.checkpoint_dir):
         raise InputError("--checkpoint-every K needs K >= 1 and a --checkpoint-dir")
+    if (args.checkpoint_dir or args.resume) and (plan.tp > 1 or plan.ep > 1):
+        raise InputError(f"checkpoints of sliced weights (tp={plan.tp}, ep={plan.ep}) are not "
+                         "supported by the runtime yet: checkpoint a plan without TP and EP")
     job = Job(model, workload, plan, steps=args.steps, warmup=args.warmup, seed=args.seed,
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
     if args.resume:
@@ -188,6 +191,10 @@ def print_result(result: dict, args: argparse.Namespace) -> None:
     print(f"  peak memory  {result['peak_memory_gib']:.3f} GiB  (max over ranks)")
     print(f"  attention    {counted:,} B counted, {predicted:,} B predicted per step (max over "
           f"ranks): {'match' if result['attention_bytes_match'] else 'MISMATCH'}")
+    for c, pair in result["bytes_by_category"].items():
+        verdict = "match" if result["bytes_by_category_match"][c] else "MISMATCH"
+        print(f"  {c:<12} {pair['counted']:,} B counted, {pair['predicted']:,} B predicted "
+              f"(max over ranks): {verdict}")
     for rank, b in enumerate(result["bytes_per_rank"]):
         print(f"  rank {rank} received  " + "  ".join(f"{c} {v['received']:,} B" for c, v in b.items()))
     for note in result["notes"]:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from csbp.simulator.errors import InputError
 from csbp.simulator.spec import AttentionSpec, ModelSpec
@@ -99,29 +99,44 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def run_experts(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert on its run of `rows` (rows grouped by expert, `counts[i]` for the i-th)."""
+    parts = rows.split(counts)
+    return torch.cat([expert(part) if len(part) else part for expert, part in zip(experts, parts)])
+
+
+class Experts(nn.ModuleList):
+    """The routed SwiGLU experts. Called on rows grouped by expert, so expert parallelism can
+    replace this module alone (`runtime.expert_parallel`) and leave routing where it is."""
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return run_experts(self, rows, counts)
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts (weights renormalised over the k) plus an optional dense branch."""
 
     def __init__(self, hidden: int, n_experts: int, top_k: int, expert_ffn: int, dense_ffn: int):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.n_experts = top_k, n_experts
         self.router = nn.Linear(hidden, n_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(hidden, expert_ffn) for _ in range(n_experts))
+        self.experts = Experts(SwiGLU(hidden, expert_ffn) for _ in range(n_experts))
         self.dense = SwiGLU(hidden, dense_ffn) if dense_ffn else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' part of the output: every token through its top-k experts, weighted."""
         flat = x.reshape(-1, x.shape[-1])  # [T, h]
         weights, chosen = torch.softmax(self.router(flat).float(), -1).topk(self.top_k, -1)
         weights = weights / weights.sum(-1, keepdim=True)
-        out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if len(token):
-                y = expert(flat[token]) * weights[token, slot, None]
-                out = out.index_add(0, token, y.to(out.dtype))
-        if self.dense is not None:
-            out = out + self.dense(flat)
-        return out.view_as(x)
+        pairs = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts).tolist()
+        token = pairs // self.top_k
+        y = self.experts(flat[token], counts) * weights.flatten()[pairs, None]
+        return torch.zeros_like(flat).index_add(0, token, y.to(flat.dtype)).view_as(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        return out if self.dense is None else out + self.dense(x)
 
 
 class Block(nn.Module):
@@ -174,7 +189,8 @@ class BlockDiffusionLM(nn.Module):
         for block, layer in zip(self.blocks, self.spec.layers):
             args = (x, *tables[layer.head_dim], attend)
             if self.checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, *args, use_reentrant=False)
+                with set_checkpoint_early_stop(False):  # rerun the whole block, collectives too
+                    x = checkpoint(block, *args, use_reentrant=False)
             else:
                 x = block(*args)
         return self.norm(x)

@@ -47,16 +47,23 @@ def make_batch(sequences: list[int] | range, step: int, seed: int, seq_len: int,
     return Batch(torch.stack(tokens), torch.stack(noise))
 
 
-def bd3lm_loss(logits_of, hidden: torch.Tensor, batch: Batch, positions: torch.Tensor,
-               seq_len: int, block: int, mask_id: int, total_tokens: int) -> torch.Tensor:
-    """Sum of CE / t over this rank's masked noisy tokens, over the step's global token count.
+def bd3lm_targets(batch: Batch, noisy: torch.Tensor, seq_len: int, block: int, mask_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets and loss weights [B, n] of the noisy positions `noisy` (all < seq_len): the clean
+    token, weighted 1/t where the token is masked and 0 where it is not."""
+    x_t, x_0 = batch.tokens[:, noisy], batch.tokens[:, seq_len + noisy]
+    weights = (x_t == mask_id) / batch.noise[:, noisy // block]
+    return x_0, weights
 
-    hidden [B, N, h] at `positions`; `logits_of` is the LM head, applied to masked tokens only.
+
+def weighted_cross_entropy(head, hidden: torch.Tensor, targets: torch.Tensor,
+                           weights: torch.Tensor) -> torch.Tensor:
+    """Sum over rows of weight x CE(head(hidden), target), rows of weight 0 skipped.
+
+    A head that owns its loss (a vocabulary-parallel one, `runtime.tensor_parallel`) computes it.
     """
-    noisy = positions < seq_len
-    pos = positions[noisy]
-    x_t, x_0 = batch.tokens[:, pos], batch.tokens[:, seq_len + pos]
-    hit = x_t == mask_id
-    logits = logits_of(hidden[:, noisy][hit]).float()
-    ce = F.cross_entropy(logits, x_0[hit], reduction="none")
-    return (ce / batch.noise[:, pos // block][hit]).sum() / total_tokens
+    if hasattr(head, "weighted_cross_entropy"):
+        return head.weighted_cross_entropy(hidden, targets, weights)
+    hit = weights > 0
+    logits = head(hidden[hit]).float()
+    return (F.cross_entropy(logits, targets[hit], reduction="none") * weights[hit]).sum()

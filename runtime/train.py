@@ -23,7 +23,8 @@ from csbp.runtime import checkpoint, faults
 from csbp.runtime.allocator import resident_high_water, start_peak
 from csbp.runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
 from csbp.runtime.model import BlockDiffusionLM
-from csbp.runtime.plans import dp, rank_work
+from csbp.runtime.plans import dp, parallelize, rank_work
+from csbp.simulator.graph import StepGraph
 from csbp.simulator.layout import Layout, attention_bytes_received, kv_row_bytes
 from csbp.simulator.plan import Plan
 from csbp.simulator.spec import ModelSpec
@@ -92,7 +93,10 @@ class RankReport:
     attention_received_by_phase: dict[str, int]
     attention_bytes_predicted: int  # the layout's prediction for this rank, one step
     attention_predicted_by_phase: dict[str, int]
+    bytes_predicted: dict[str, int]  # the step graph's, per category, received in one step
     gradients: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    # tensor parallelism: (dim, start, stop) in the whole weight of each gradient that is a slice
+    gradient_slices: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -115,12 +119,25 @@ def _peak_memory(device: torch.device) -> int:
 def predicted_by_phase(job: Job, ctx_rank: int, layout: Layout) -> dict[str, int]:
     """The layout's attention K/V + dK/dV bytes received by a rank in one step, by phase.
 
-    The layout describes one sequence; a micro-batch moves its rows once per sequence.
+    The layout describes one sequence; a micro-batch moves its rows once per sequence; a TP rank
+    moves the K/V heads it holds.
     """
-    w = job.workload
+    w, tp = job.workload, job.plan.tp
     return {ph: w.micro_batch * sum(layout.exchange(a, ph).rows_received(ctx_rank)
-                                    * kv_row_bytes(a, w.dtype_bytes) for a in job.model.layers)
+                                    * kv_row_bytes(a, w.dtype_bytes, tp) for a in job.model.layers)
             for ph in PHASES}
+
+
+def predicted_bytes(job: Job) -> list[dict[str, int]]:
+    """The step graph's bytes received in one step per category, for each context rank (its TP,
+    EP and DP copies receive the same), for the plan as the runtime runs it: replicated AdamW,
+    so without the ZeRO stage's sharded gradients and parameter gathers."""
+    w = job.workload.model_copy(update={"zero_stage": 0})
+    layout = Layout.build(w, job.plan)
+    graph = StepGraph.build(job.model, w, job.plan, layout, gpus_per_node=job.plan.world)
+    received = graph.received_bytes()
+    return [{c: round(float(received[c][r])) if c in received else 0 for c in CATEGORIES}
+            for r in range(layout.size)]
 
 
 class Trainer:
@@ -138,6 +155,7 @@ class Trainer:
         self.comm = Comm(timeout)
         self.work = rank_work(job.model, job.workload, job.plan, rank, self.comm)
         self.model = BlockDiffusionLM(job.model, job.seed, job.workload.checkpointing == "full")
+        self.slices = parallelize(self.model, self.work)  # this rank's experts, TP slices
         self.model.to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
 
@@ -155,9 +173,12 @@ class Trainer:
             loss = self.fault.strike(self.rank, step, loss)
         with self.comm.backward():
             loss.backward()
-        dp.all_reduce_gradients(self.model, self.comm)
+        dp.all_reduce_gradients(self.model, self.comm, self.work.mesh, dtype or torch.float32)
         part = loss.detach().float().reshape(1)
-        total = self.comm.all_reduce(part.clone(), "other").item()
+        total = part.clone()
+        if self.work.mesh.dense.size > 1:  # one TP rank's peers hold the parts of the loss
+            self.comm.all_reduce(total, "other", self.work.mesh.dense.group)
+        total = total.item()
         if not math.isfinite(part.item()):
             raise LossNotFinite(f"this rank's part of the loss is {part.item()}")
         if not math.isfinite(total):
@@ -210,14 +231,16 @@ class Trainer:
 
     def _report(self, losses: list[float], times: list[float]) -> RankReport:
         job = self.job
-        lay, w = self.work.layout, job.workload
-        predicted = attention_bytes_received(lay, job.model.layers, w.dtype_bytes)[self.work.ctx_rank]
+        lay, w, ctx = self.work.layout, job.workload, self.work.ctx_rank
+        predicted = attention_bytes_received(lay, job.model.layers, w.dtype_bytes, job.plan.tp)[ctx]
         grads = ({name: p.grad.detach().double().cpu().numpy()
-                  for name, p in self.model.named_parameters()} if job.capture_gradients else None)
-        return RankReport(self.rank, self.work.ctx_rank, losses, times, _peak_memory(self.device),
+                  for name, p in self.model.named_parameters() if p.grad is not None}
+                 if job.capture_gradients else None)
+        return RankReport(self.rank, ctx, losses, times, _peak_memory(self.device),
                           dict(self.comm.sent), dict(self.comm.received),
                           dict(self.comm.attention_received), predicted * w.micro_batch,
-                          predicted_by_phase(job, self.work.ctx_rank, lay), grads)
+                          predicted_by_phase(job, ctx, lay), predicted_bytes(job)[ctx], grads,
+                          self.slices)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -250,7 +273,7 @@ def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]
         "step_times_s": per_step,
         "loss": reports[0].losses[-1],
         "losses": reports[0].losses,
-        "tokens_per_s": (job.plan.dp * job.workload.micro_batch * job.workload.seq_len
+        "tokens_per_s": (job.plan.sequences * job.workload.micro_batch * job.workload.seq_len
                          / statistics.median(per_step)) if per_step else None,
         "peak_memory_gib": max(r.peak_memory_bytes for r in reports) / GIB,
         "peak_memory_gib_per_rank": [r.peak_memory_bytes / GIB for r in reports],
@@ -264,15 +287,28 @@ def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]
             {ph: {"counted": r.attention_received_by_phase[ph],
                   "predicted": r.attention_predicted_by_phase[ph]}
              for ph in r.attention_received_by_phase} for r in reports],
+        "bytes_by_category": {c: {"counted": max(r.bytes_received[c] for r in reports),
+                                  "predicted": max(r.bytes_predicted[c] for r in reports)}
+                              for c in CATEGORIES},
+        "bytes_by_category_match": {c: all(r.bytes_received[c] == r.bytes_predicted[c]
+                                           for r in reports) for c in CATEGORIES},
+        "bytes_by_category_per_rank": [{c: {"counted": r.bytes_received[c],
+                                            "predicted": r.bytes_predicted[c]} for c in CATEGORIES}
+                                       for r in reports],
         "notes": notes,
     }
 
 
 def notes_for(job: Job, device: str, world: int) -> list[str]:
     notes = ["bytes are per step: each rank's logical traffic (gloo's reduce-scatter moves more "
-             "on the wire); gradients count a ring all-reduce, 2(P-1)/P of the buffer each way",
+             "on the wire); all-reduces count a ring's 2(P-1)/P of the buffer each way; "
+             "predicted: the step graph's bytes for each rank",
              "optimizer: replicated AdamW (ZeRO sharding not implemented in the runtime; "
-             f"zero_stage={job.workload.zero_stage} ignored)"]
+             f"zero_stage={job.workload.zero_stage} ignored, also in the prediction)"]
+    if job.plan.ep > 1:
+        notes.append("ep bytes follow this step's routing; the prediction assumes balanced "
+                     "routing (each rank sending each peer top_k x tokens / ep rows), so they "
+                     "differ by the routing's imbalance")
     if device == "cpu" and world > (os.cpu_count() or 1):
         notes.append(f"world size {world} exceeds the {os.cpu_count()} CPU cores: ranks share "
                      "cores, so step times are inflated")

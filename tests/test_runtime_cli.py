@@ -61,7 +61,7 @@ def test_torchrun_entry_runs_a_plan():
 @pytest.mark.parametrize("args, message", [
     (["--model", "qwen3.5-27b", "--plan", "cp=2"], "not supported by the runtime yet"),
     (["--seq-len", "60", "--block-size", "4", "--plan", "cp=8"], "divisible by cp"),
-    (["--plan", "tp=2"], "not supported by the runtime yet"),
+    (["--plan", "tp=4"], "does not divide the 2 K/V heads"),
     (["--plan", "missing-plan.json"], "cannot read plan file"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message):

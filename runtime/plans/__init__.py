@@ -1,25 +1,33 @@
-"""What one rank does for a plan: its sequences, its positions of the 2L sequence, its attention.
+"""What one rank does for a plan: its sequences, its positions of the 2L sequence, its attention,
+and its part of the model.
 
-A plan is two axes composed. The DP axis (`dp.py`) places ranks, gives each replica its own
-sequences and sums gradients over every rank. The context axis (`context.py`) gives a rank its
-positions and K/V exchange, read from the simulator's layout: CP, pure BP and CSBP run the same
-code with different layouts, because the layout (ownership, exchanged rows) is all that differs
-between them and the runtime never computes ownership of its own. `reference.py` is the
+A plan is axes composed, each in its own module. The mesh (`runtime.mesh`) places ranks and
+makes the process groups. The DP axis (`dp.py`) gives each replica its own sequences and sums gradients.
+The context axis (`context.py`) gives a rank its positions and K/V exchange, read from the
+simulator's layout: CP, pure BP and CSBP run the same code with different layouts, because the
+layout (ownership, exchanged rows) is all that differs between them and the runtime never computes
+ownership of its own. Tensor parallelism (`runtime.tensor_parallel`) splits a context rank's
+positions, heads, FFN width and vocabulary over tp ranks; expert parallelism
+(`runtime.expert_parallel`) splits the experts over ep ranks, each with sequences of its own (a
+step trains dp x ep x micro-batch sequences, as the simulator counts them). `reference.py` is the
 single-process run that every plan must reproduce.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from csbp.runtime import expert_parallel, tensor_parallel
 from csbp.runtime.attention import Attention
 from csbp.runtime.comm import Comm
 from csbp.runtime.model import BlockDiffusionLM
-from csbp.runtime.objective import bd3lm_loss, make_batch
+from csbp.runtime.objective import bd3lm_targets, make_batch, weighted_cross_entropy
+from csbp.runtime.mesh import Mesh, build as build_mesh
 from csbp.runtime.plans import context, dp
 from csbp.simulator.layout import Layout
+from csbp.simulator.objectives import objective_shape
 from csbp.simulator.plan import Plan
 from csbp.simulator.spec import ModelSpec
 from csbp.simulator.workload import Workload
@@ -35,28 +43,55 @@ class Work:
     sequences: range  # global ids of the sequences this rank's replica trains on
     total_tokens: int  # noisy tokens of the whole step: the loss normaliser
     attention: Attention
+    mesh: Mesh = field(default_factory=lambda: Mesh({}))
+    comm: Comm | None = None
 
     @property
     def positions(self) -> torch.Tensor:
+        """The context rank's positions, in tensor-parallel shard order."""
         return self.attention.positions
 
     def loss(self, model: BlockDiffusionLM, step: int, seed: int) -> torch.Tensor:
-        """This rank's part of the step's loss (the parts of all ranks sum to the whole)."""
+        """This rank's part of the step's loss (the parts of one TP rank's peers sum to the
+        whole; TP ranks of one context rank hold the same part)."""
         w = self.workload
         device = model.embed.weight.device
         batch = make_batch(self.sequences, step, seed, w.seq_len, w.block_size, model.spec.vocab)
         batch = batch.to(device)
         positions = self.positions.to(device)
         hidden = model(batch.tokens[:, positions], positions, w.seq_len, self.attention)
-        return bd3lm_loss(model.lm_head, hidden, batch, positions, w.seq_len, w.block_size,
-                          model.mask_id, self.total_tokens)
+        noisy = positions[positions < w.seq_len]  # sorted: shard order keeps them in order
+        targets, weights = bd3lm_targets(batch, noisy, w.seq_len, w.block_size, model.mask_id)
+        rows = hidden[:, :len(noisy) // self.mesh.tp.size]  # noisy rows lead every shard
+        return weighted_cross_entropy(model.lm_head, rows, targets, weights) / self.total_tokens
+
+
+def check_supported(spec: ModelSpec, workload: Workload, plan: Plan) -> None:
+    """What the runtime cannot run of a valid plan, as one-line input errors."""
+    tensor_parallel.check_supported(spec, Layout.build(workload, plan), plan)
 
 
 def rank_work(spec: ModelSpec, workload: Workload, plan: Plan, rank: int, comm: Comm) -> Work:
     """Rank `rank`'s work; collective: every rank must call it (it creates process groups)."""
-    dp.check_supported(plan)
-    where = dp.coordinates(plan, rank)
+    check_supported(spec, workload, plan)
     layout = Layout.build(workload, plan)
-    attention = context.attention(spec, layout, plan, where, comm)
-    return Work(workload, layout, where["ctx"], dp.sequences(where["dp"], workload.micro_batch),
-                plan.dp * workload.micro_batch * workload.seq_len, attention)
+    m = build_mesh(plan, layout, rank, comm)
+    attention = context.attention(spec, layout, plan, m, comm)
+    replica = m.where["dp"] * plan.ep + m.where["ep"]
+    return Work(workload, layout, m.where["ctx"], dp.sequences(replica, workload.micro_batch),
+                plan.sequences * workload.micro_batch * workload.seq_len, attention, m, comm)
+
+
+def parallelize(model: BlockDiffusionLM, work: Work) -> dict[str, tuple[int, int, int]]:
+    """Cut the (whole) model to this rank's part, in place: experts over EP, then TP; freeze the
+    router when the objective does. Returns what TP cut: (dim, start, stop) per weight."""
+    if objective_shape(work.workload, model.spec).frozen_router:
+        for block in model.blocks:
+            if hasattr(block.ffn, "router"):
+                block.ffn.router.weight.requires_grad_(False)
+    m = work.mesh
+    if m.ep.size > 1:
+        expert_parallel.parallelize(model, expert_parallel.ExpertGroup(work.comm, m.ep))
+    if m.tp.size > 1:
+        return tensor_parallel.parallelize(model, tensor_parallel.TensorParallel(work.comm, m.tp))
+    return {}

@@ -1,8 +1,14 @@
-"""The DP axis: where ranks sit, which sequences a replica trains on, and the gradient sum.
+"""The DP axis: which sequences a replica trains on, and the gradient sum.
 
-Every rank's loss is already divided by the step's global token count, so summing gradients
-over all ranks (dp x ctx: context ranks hold different tokens or replicated clean work whose
-gradient paths are disjoint) gives exactly the single-process gradient. No averaging anywhere.
+Every rank's loss is already divided by the step's global token count, so summing each gradient
+over the ranks that hold the same weights with other tokens gives exactly the single-process
+gradient. No averaging anywhere. Who those ranks are depends on the weight:
+- replicated (dense) weights: dp x ctx x ep (context ranks hold different tokens, or replicated
+  clean work whose gradient paths are disjoint; EP ranks hold other sequences);
+- routed experts: dp x ctx x tp (they are whole on every TP rank, which routes its own tokens);
+- weights applied to a TP rank's sequence shard only (norms, the router; `sequence_parallel`):
+  also over tp, once per step (Megatron's layer-norm gradient all-reduce).
+Gradients travel in the workload's dtype, as the step graph prices them.
 """
 
 from __future__ import annotations
@@ -10,46 +16,37 @@ from __future__ import annotations
 import torch
 
 from csbp.runtime.comm import Comm
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import Plan
+from csbp.runtime.expert_parallel import ExpertParallelExperts
+from csbp.runtime.mesh import Mesh, Peers
+from csbp.runtime.model import Experts
 
 
-def check_supported(plan: Plan) -> None:
-    for axis in ("tp", "ep"):
-        if getattr(plan, axis) > 1:
-            raise InputError(f"{axis}={getattr(plan, axis)}: tensor and expert parallelism are "
-                             "not supported by the runtime yet")
+def sequences(replica: int, micro_batch: int) -> range:
+    return range(replica * micro_batch, (replica + 1) * micro_batch)
 
 
-def _sizes(plan: Plan) -> dict[str, int]:
-    return {"tp": plan.tp, "ctx": plan.ctx, "ep": plan.ep, "dp": plan.dp}
-
-
-def coordinates(plan: Plan, rank: int) -> dict[str, int]:
-    """Index of a global rank on each axis; `plan.placement` lists axes innermost first."""
-    where = {}
-    for axis in plan.placement.split(","):
-        rank, where[axis] = divmod(rank, _sizes(plan)[axis])
-    return where
-
-
-def global_rank(plan: Plan, **where: int) -> int:
-    rank, stride = 0, 1
-    for axis in plan.placement.split(","):
-        rank += where.get(axis, 0) * stride
-        stride *= _sizes(plan)[axis]
-    return rank
-
-
-def sequences(dp_rank: int, micro_batch: int) -> range:
-    return range(dp_rank * micro_batch, (dp_rank + 1) * micro_batch)
-
-
-def all_reduce_gradients(model: torch.nn.Module, comm: Comm) -> None:
-    """Sum every gradient over all ranks in one flat buffer (absent gradients count as zero)."""
-    params = list(model.parameters())
+def _sum(params: list[torch.nn.Parameter], peers: Peers, comm: Comm, dtype: torch.dtype) -> None:
+    """Sum the gradients of `params` over `peers` in one flat buffer (absent ones count as zero)."""
+    if not params or peers.size == 1:
+        return
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                       for p in params])
-    comm.all_reduce(flat, "gradients")
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
+    summed = comm.all_reduce(flat.to(dtype), "gradients", peers.group).to(flat.dtype)
+    for p, g in zip(params, summed.split([p.numel() for p in params])):
         p.grad = g.view_as(p)
+
+
+def all_reduce_gradients(model: torch.nn.Module, comm: Comm, mesh: Mesh,
+                         dtype: torch.dtype = torch.float32) -> None:
+    """Sum every trained weight's gradient over the ranks that share it (module docstring)."""
+    routed = {id(p) for m in model.modules() if isinstance(m, (Experts, ExpertParallelExperts))
+              for p in m.parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    dense = [p for p in params if id(p) not in routed]
+    experts = [p for p in params if id(p) in routed]
+    if mesh.dense == mesh.experts:  # no TP or EP: one buffer, one call
+        _sum(dense + experts, mesh.dense, comm, dtype)
+    else:
+        _sum(dense, mesh.dense, comm, dtype)
+        _sum(experts, mesh.experts, comm, dtype)
+    _sum([p for p in dense if getattr(p, "sequence_parallel", False)], mesh.tp, comm, dtype)

@@ -14,7 +14,7 @@ from csbp.simulator.workload import Workload
 
 
 def reference_work(spec: ModelSpec, workload: Workload, n_sequences: int) -> Work:
-    """The work of a single process training `n_sequences` sequences (dp x micro-batch)."""
+    """The work of a single process training `n_sequences` sequences (dp x ep x micro-batch)."""
     layout = Layout.build(workload, Plan())
     return Work(workload, layout, 0, range(n_sequences), n_sequences * workload.seq_len,
                 Attention(spec.layers, layout))
