@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from csbp.simulator.graph import Comm, Compute, Group, Work
-from csbp.simulator.hardware import CollectiveOp, HardwareProfile, Link
+from csbp.simulator.hardware import CollectiveOp, HardwareProfile, Link, interpolate
 
 US = 1e-6
 GB = 1e9
@@ -29,7 +29,7 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
         own = gpu.optimizer_efficiency if work.kind == "optimizer" else None
         busy = nbytes / (gpu.hbm_gbs * GB * (own or gpu.hbm_efficiency))
     elif work.kind == "gemm":
-        eff = np.array([profile.gemm_efficiency(f / work.kernels / 1e9) if f else 1.0 for f in flops])
+        eff = along(gpu.gemm_efficiency, flops / work.kernels / 1e9)
         busy = flops / (gpu.peak_tflops * 1e12 * eff)
     else:
         backward = work.kind == "attention-bwd"
@@ -37,8 +37,9 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
                  for f, d in zip(flops, work.dense_flops)] if gpu.dense_attention else []
         if gpu.dense_attention and work.dense_flops:  # explicit math scores the whole rectangle
             flops = np.asarray(work.dense_flops)
-        eff = np.array([profile.attention_efficiency(t, backward, work.masked) if t else 1.0
-                        for t in work.tile_len])
+        curve = gpu.attention_backward_efficiency if backward else gpu.attention_forward_efficiency
+        factor = gpu.masked_attention_efficiency_factor if work.masked else 1.0
+        eff = along(curve, np.asarray(work.tile_len, dtype=float), factor)
         busy = flops / (gpu.peak_tflops * 1e12 * eff)
         if dense and all(s is not None for s in dense):  # measured per visible / masked score
             busy = np.array(dense)
@@ -46,6 +47,24 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
     # host overhead is CPU time too: ranks sharing cores slow it down like arithmetic
     share = profile.node.core_share(profile.node.gpus_per_node)
     return np.where((flops > 0) | (nbytes > 0), (busy + overhead) / share, 0.0)
+
+
+def along(curve, x: np.ndarray, factor: float = 1.0) -> np.ndarray:
+    """`hardware.interpolate(curve, x) * factor` for every x at once (1 where x is 0: no work),
+    by the same formula, so each value is the one the scalar function gives."""
+    if np.size(x) <= 8:  # a few ranks: the scalar reads cost less than the array set-up
+        return np.array([interpolate(curve, v) * factor if v else 1.0 for v in np.ravel(x).tolist()])
+    xs = np.array([p[0] for p in curve])
+    ys = np.array([p[1] for p in curve])
+    x = np.asarray(x, dtype=float)
+    hi = np.clip(np.searchsorted(xs, x, side="right"), 1, len(xs) - 1) if len(xs) > 1 else np.zeros(x.shape, int)
+    lo = np.maximum(hi - 1, 0)
+    x0, x1, y0, y1 = xs[lo], xs[hi], ys[lo], ys[hi]
+    inside = (x > xs[0]) & (x < xs[-1])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (np.log10(np.where(inside, x, x1)) - np.log10(x0)) / (np.log10(x1) - np.log10(x0))
+        y = np.where(inside, y0 + t * (y1 - y0), np.where(x <= xs[0], ys[0], ys[-1]))
+    return np.where(x == 0, 1.0, y * factor)
 
 
 def ring_seconds(op: CollectiveOp, recv_bytes: float, group: Group, profile: HardwareProfile) -> float:

@@ -7,9 +7,11 @@ structure for the whole group and the engines evaluate it for all ranks at once.
 
 Compute ops carry FLOPs, HBM bytes, a kind and (attention) a tile length; communication ops carry
 the bytes each rank receives, the collective, the group (its size, whether it spans nodes, and
-which representative ranks wait for each other) and a traffic category. Attention K/V bytes come
-from the Layout's exchanges, never recomputed here. Dependencies are data dependencies; the order
-of `ops` is program order, which is also each stream's issue order.
+which representative ranks wait for each other) and a traffic category. Attention K/V bytes are
+the Layout's exchanges, counted per rank from its ownership (`kv_rows`, which the tests hold equal
+to the exchanges' transfers; listing n(n-1) transfers per layer kind costs more than the step).
+Dependencies are data dependencies; the order of `ops` is program order, which is also each
+stream's issue order.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal, Union
+from typing import Literal, NamedTuple, Union
 
 import numpy as np
 
-from csbp.simulator import kv_rows, mask
+from csbp.simulator import kv_rows, mask, pairs
 from csbp.simulator.layout import Layout, kv_row_bytes
 from csbp.simulator.layout import clear_caches as clear_layout_caches
 from csbp.simulator.objective_layout import anchor_blocks, canvas_view
@@ -115,8 +117,9 @@ class Comm:
 Work = Union[Compute, Comm]
 
 
-@dataclass(frozen=True)
-class Op:
+class Op(NamedTuple):
+    """One op of the step (a tuple: a step holds thousands, stamped layer by layer)."""
+
     index: int
     name: str
     phase: Phase
@@ -155,27 +158,37 @@ class StepGraph:
 
     def flops(self, include_recompute: bool = True) -> np.ndarray:
         """FLOPs each representative rank executes in one step."""
-        out = np.zeros(self.ranks)
-        for op in self.ops:
-            if isinstance(op.work, Compute) and (include_recompute or op.phase != "recompute"):
-                out += self._array(op.work, "flops")
-        return out
+        works, which = self.works()
+        counted = [i for i, op in enumerate(self.ops) if isinstance(op.work, Compute)
+                   and (include_recompute or op.phase != "recompute")]
+        rows = np.array([w.flops if isinstance(w, Compute) else (0.0,) * self.ranks for w in works])
+        return rows[which[counted]].sum(axis=0) if counted else np.zeros(self.ranks)
 
     def received_bytes(self) -> dict[str, np.ndarray]:
         """Bytes each representative rank receives per step, by traffic category."""
-        out: dict[str, np.ndarray] = {}
-        for op in self.ops:
+        works, which = self.works()
+        rows = np.array([w.bytes for w in works]) if works else np.zeros((0, self.ranks))
+        by_category: dict[str, list[int]] = {}
+        for i, op in enumerate(self.ops):
             if isinstance(op.work, Comm):
-                out.setdefault(op.work.category, np.zeros(self.ranks))
-                out[op.work.category] += self._array(op.work, "bytes")
-        return out
+                by_category.setdefault(op.work.category, []).append(i)
+        return {c: rows[which[ops]].sum(axis=0) for c, ops in by_category.items()}
 
-    def _array(self, work: Work, what: str) -> np.ndarray:
-        """`work.flops` or `work.bytes` as an array, converted once per shared work object."""
-        key = (id(work), what)
-        if key not in self._arrays:
-            self._arrays[key] = np.asarray(getattr(work, what), dtype=float)
-        return self._arrays[key]
+    def works(self) -> tuple[list[Work], np.ndarray]:
+        """The distinct work objects (identical layers share them) and, per op, its index among
+        them: what is priced, summed or compiled once per work instead of once per op."""
+        if "works" not in self._arrays:
+            row: dict[int, int] = {}
+            works: list[Work] = []
+            which = []
+            for op in self.ops:
+                key = id(op.work)
+                if key not in row:
+                    row[key] = len(works)
+                    works.append(op.work)
+                which.append(row[key])
+            self._arrays["works"] = (works, np.array(which, dtype=np.intp))
+        return self._arrays["works"]
 
 
 # ---- placement: which ranks of a group share a node --------------------------------------------
@@ -298,7 +311,9 @@ class _Builder:
         return self._cache[key]
 
     def per_rank(self, values) -> PerRank:
-        return tuple(np.broadcast_to(np.asarray(values, dtype=float), (self.n,)).tolist())
+        if np.ndim(values) == 0:
+            return (float(values),) * self.n
+        return tuple(np.asarray(values, dtype=float).tolist())
 
     def gemm(self, flops, kernels: int = 1) -> Compute:
         return Compute("gemm", self.per_rank(flops), self.per_rank(0), kernels)
@@ -363,10 +378,10 @@ class _Builder:
         splits the rest by step (the shard of the rank s places back in the ring).
         """
         lay = self.lay
-        queries = [QueryIntervals.of(lay, r, window) for r in range(self.n)]
-        total = np.array([q.total() for q in queries], dtype=float)
+        total = self.derived(("pairs", window), lambda: pairs.totals(lay, window)).astype(float)
         if pattern == "none":
             return [("attn", total, self.positions)]
+        queries = [QueryIntervals.of(lay, r, window) for r in range(self.n)]
         local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
         if pattern != "ring":
             received = kv_rows.received(lay, a, "forward").astype(float)
@@ -400,20 +415,15 @@ class _Builder:
                        self.per_rank(self.positions * keys * per_pair))
 
     def kv_comm(self, a: AttentionSpec, phase: Phase, step: int, payload: str | None) -> Comm | None:
-        """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank."""
-        exchange = self.lay.exchange(a, phase)
-        transfers = exchange.steps[step].transfers
-        key = ("kv-rows", self.p.transport, self.lay.checkpointing, a.kind, a.window, phase, step, payload)
-        rows = self.derived(key, lambda: _tally(
-            [(t.dst, t.n_rows) for t in transfers if payload is None or t.payload == payload], self.n))
+        """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank (counted
+        from the ownership by `kv_rows`, equal to the exchange's transfers)."""
+        rows = kv_rows.step_received(self.lay, a, phase, step, payload)
         nbytes = rows * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
-        if exchange.pattern == "ring":
-            senders = {t.dst: t.src for t in transfers}
-            peer = tuple(senders.get(r, r) for r in range(self.n))
-            return self.comm("p2p", nbytes, self.g_ring, "attention-kv", peer)
-        backward = any(t.payload == "dkv" for t in transfers)
-        collective = "all-to-all" if exchange.pattern == "all-to-all" else (
-            "reduce-scatter" if backward else "all-gather")
+        pattern = self.pattern(a, phase)
+        if pattern == "ring":
+            return self.comm("p2p", nbytes, self.g_ring, "attention-kv", kv_rows.ring_senders(self.lay))
+        collective = "all-to-all" if pattern == "all-to-all" else (
+            "reduce-scatter" if phase == "backward" else "all-gather")
         return self.comm(collective, nbytes, self.g_cp, "attention-kv")
 
     def ulysses(self, a: AttentionSpec) -> tuple[Comm | None, Comm | None]:
@@ -493,17 +503,7 @@ class _Builder:
         """Copy the K/V rows a rank sends into one buffer (read + write; backward: their
         gradients added back into dK/dV). All-gather sends one shard to every member, so it is
         packed once."""
-        exchange = self.lay.exchange(a, "forward")
-        groups = {r: len(g) for g in exchange.groups for r in g}
-
-        def rows() -> np.ndarray:
-            sent = _tally([(t.src, t.n_rows) for st in exchange.steps for t in st.transfers], self.n)
-            if exchange.pattern == "all-gather":
-                sent = np.array([s / max(groups.get(r, 2) - 1, 1) for r, s in enumerate(sent.tolist())])
-            return sent
-
-        key = ("packed-rows", self.p.transport, a.kind, a.window)
-        nbytes = 2 * self.derived(key, rows) * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
+        nbytes = 2 * kv_rows.packed_rows(self.lay, a) * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
         work = self.cached(("pack", a, phase == "backward"), lambda: self.memory_bound(
             nbytes * (1.5 if phase == "backward" else 1.0)))
         return self.add("kv.pack", phase, li, work, *deps)
@@ -515,7 +515,7 @@ class _Builder:
         return self.add(name, phase, li, work, *deps)
 
     def pattern(self, a: AttentionSpec, phase: Phase) -> str:
-        return "none" if self.keys_at_home else self.lay.exchange(a, phase).pattern
+        return "none" if self.keys_at_home else kv_rows.pattern(self.lay, a, phase)
 
     def attention_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
         """Local attention runs while the remote K/V arrive; the rest waits for them."""
@@ -690,7 +690,7 @@ class _Builder:
         for op in self.ops[start:]:
             if id(op.work) not in scaled:
                 scaled[id(op.work)] = _scaled(op.work, p)
-            self.ops[op.index] = replace(op, name=f"selfcond.{op.name}", work=scaled[id(op.work)])
+            self.ops[op.index] = op._replace(name=f"selfcond.{op.name}", work=scaled[id(op.work)])
         return x
 
     def loss_forward(self, x: Deps) -> Deps:
@@ -845,15 +845,6 @@ class _LayerTemplate:
                    for k, (name, phase, work, (after_input, inner)) in enumerate(self.ops))
         after_input, inner = self.out
         return (inputs if after_input else ()) + tuple(map(shift, inner))
-
-
-def _tally(rows: list[tuple[int, int]], n: int) -> np.ndarray:
-    """Per rank, the sum of the rows listed against it: (rank, rows) pairs, exact in float64."""
-    out = np.zeros(n)
-    if rows:
-        ranks, counts = zip(*rows)
-        np.add.at(out, np.array(ranks), np.array(counts, dtype=float))
-    return out
 
 
 def _scaled(work: Work, p: float) -> Work:

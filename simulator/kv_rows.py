@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from csbp.simulator.layout import Layout, Phase
+from csbp.simulator.layout import Layout, Payload, Phase
 from csbp.simulator.spans import normalize, size, subtract
 from csbp.simulator.spec import AttentionSpec
 
@@ -53,6 +53,60 @@ def held_at_once(layout: Layout, a: AttentionSpec) -> np.ndarray:
             step[g] = others
         layout.derived[key] = step
     return layout.derived[key]
+
+
+def step_received(layout: Layout, a: AttentionSpec, phase: Phase, step: int,
+                  payload: Payload | None = None) -> np.ndarray:
+    """Rows each rank receives in one step of the exchange (`payload`: only K/V or only dK/dV).
+
+    A collective is one step (K/V forward, their gradients home in the backward); a ring's step
+    s brings every rank the shard of the member s places back, the backward's steps also carry
+    that shard's partial dK/dV from the second step on, and its last step takes each shard's
+    gradients home.
+    """
+    kind = pattern(layout, a, phase)
+    backward = phase == "backward"
+    carries = "dkv" if backward else "kv"
+    if kind != "ring":
+        rows = received(layout, a, phase)
+        return rows if payload in (None, carries) else np.zeros_like(rows)
+    key = ("kv-rows-ring", backward, step, payload)
+    if key not in layout.derived:
+        own, out = owned_rows(layout), np.zeros(layout.size, dtype=np.int64)
+        for g in map(np.array, layout.cp_groups()):
+            m = len(g)
+            if step < m - 1:  # K/V (and partial dK/dV) of the member step + 1 places back
+                shard = own[g][(np.arange(m) - (step + 1)) % m]
+                kv = shard if payload in (None, "kv") else 0
+                dkv = shard if backward and step >= 1 and payload in (None, "dkv") else 0
+                out[g] = kv + dkv
+            elif backward and step == m - 1 and payload in (None, "dkv"):  # the hop home
+                out[g] = own[g]
+        layout.derived[key] = out
+    return layout.derived[key]
+
+
+def ring_senders(layout: Layout) -> tuple[int, ...]:
+    """The rank each one receives from in a ring: the previous member of its group."""
+    prev = list(range(layout.size))
+    for g in layout.cp_groups():
+        for i, r in enumerate(g):
+            prev[r] = g[i - 1]
+    return tuple(prev)
+
+
+def packed_rows(layout: Layout, a: AttentionSpec) -> np.ndarray:
+    """Rows each rank copies into one send buffer in the forward exchange: its shard once for
+    an all-gather (every member receives the same buffer), every row it sends for an all-to-all."""
+    kind = pattern(layout, a, "forward")
+    if kind == "all-to-all":
+        return _alltoall_rows(layout, a.window).sum(axis=0)
+    if kind == "all-gather":
+        own, out = owned_rows(layout), np.zeros(layout.size, dtype=np.int64)
+        for g in map(np.array, layout.cp_groups()):
+            out[g] = own[g] if len(g) > 1 else 0
+        return out
+    return np.zeros(layout.size, dtype=np.int64)
 
 
 def owned_rows(layout: Layout) -> np.ndarray:

@@ -33,14 +33,8 @@ class QueryIntervals:
             q = mask.span_positions(queries)
             self.weight = np.ones(q.size, dtype=np.int64)
         self.intervals = mask.visible_intervals(q, seq_len, block, window)
-        a = np.concatenate([lo for lo, _ in self.intervals])
-        z = np.concatenate([hi for _, hi in self.intervals])
-        w = np.concatenate([self.weight] * len(self.intervals))
-        seen = z > a
-        a, z, w = a[seen], z[seen], w[seen]
-        self._total = int((w * (z - a)).sum())
-        self._starts = _RunningSums(a, w)
-        self._stops = _RunningSums(z, w)
+        self._total = int(sum(((z - a) * self.weight).sum() for a, z in self.intervals))
+        self._sums: tuple[_RunningSums, _RunningSums] | None = None  # made on the first count
 
     @classmethod
     def of(cls, layout: Layout, rank: int, window: int | None = None) -> "QueryIntervals":
@@ -56,8 +50,15 @@ class QueryIntervals:
         A query interval [a, z) holds min(max(x - a, 0), z - a) keys below x, which is
         (x - a)+ - (x - z)+: a sum over the interval starts below x minus one over the stops.
         """
+        if self._sums is None:
+            a = np.concatenate([lo for lo, _ in self.intervals])
+            z = np.concatenate([hi for _, hi in self.intervals])
+            w = np.concatenate([self.weight] * len(self.intervals))
+            seen = z > a
+            self._sums = _RunningSums(a[seen], w[seen]), _RunningSums(z[seen], w[seen])
+        starts, stops = self._sums
         x = np.asarray(x, dtype=np.int64)
-        return self._starts.ramp(x) - self._stops.ramp(x)
+        return starts.ramp(x) - stops.ramp(x)
 
     def pairs_with(self, keys: tuple[Span, ...]) -> int:
         """Pairs whose key lies in `keys`."""
@@ -90,6 +91,32 @@ class _RunningSums:
         """sum of w * (x - end) over the ends below x."""
         k = np.searchsorted(self.ends, x, side="left")
         return self.weight[k] * x - self.moment[k]
+
+
+def totals(layout: Layout, window: int | None = None) -> np.ndarray:
+    """Every pair of each rank's queries, all ranks at once (`QueryIntervals.total` per rank).
+
+    Without a window every query of a block sees as many keys as the block's first one, so a
+    rank's pairs are its positions in each block times that block's count: one pass over every
+    rank's spans cut at block edges.
+    """
+    if window is not None:
+        return np.array([QueryIntervals.of(layout, r, window).total() for r in range(layout.size)],
+                        dtype=np.int64)
+    L, b = layout.seq_len, layout.block
+    spans = [(r, s, e) for r, share in enumerate(layout.shares) for s, e in share.positions]
+    out = np.zeros(layout.size, dtype=np.int64)
+    if not spans:
+        return out
+    rank, lo, hi = np.array(spans, dtype=np.int64).T
+    first, last = lo // b, (hi - 1) // b
+    pieces = last - first + 1
+    which = np.repeat(np.arange(len(spans)), pieces)
+    ids = first[which] + np.arange(which.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    held = np.minimum(hi[which], (ids + 1) * b) - np.maximum(lo[which], ids * b)
+    seen = mask.visible_counts(np.arange(0, 2 * L, b, dtype=np.int64), L, b)
+    np.add.at(out, rank[which], held * seen[ids])
+    return out
 
 
 def _touched_blocks(spans: tuple[Span, ...], block: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,8 +1,11 @@
 """The planner: every topology of a cluster, ranked by predicted tokens/s.
 
 Three stages, cheapest first: the memory model (layout only) drops what cannot fit, the closed
-form scores every candidate that fits, and the discrete-event engine, which models overlap and
-queueing, re-scores only the few candidates that can still win. A recommendation is only
+form scores the candidates that fit, and the discrete-event engine, which models overlap and
+queueing, re-scores only the few candidates that can still win. When the caller says how much of
+the ranking it reports (`keep`), the closed form only scores candidates that can still reach it:
+each candidate's lower bound on step time (`bounds.py`) caps its tokens/s, and a candidate whose
+cap is below enough scored candidates in every group it could matter to is pruned unscored. A recommendation is only
 meaningful next to what users would launch without block parallelism, so the best plan with
 bp == 1 is kept as the *baseline*, scored by the same engine as the recommendation.
 
@@ -12,6 +15,7 @@ and grouped by a normalised reason, so the user sees why a topology is missing f
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import re
@@ -23,6 +27,7 @@ from functools import partial
 from itertools import product
 from typing import get_args
 
+from csbp.simulator.bounds import quick_bound_key, step_time_lower_bound
 from csbp.simulator.errors import InputError
 from csbp.simulator.hardware import HardwareProfile
 from csbp.simulator.layout import Layout
@@ -36,6 +41,9 @@ from csbp.simulator.workload import Checkpointing, Workload
 FAMILIES = ("dp", "cp", "bp", "csbp")  # how plots and tables group plans (single GPU counts as dp)
 DES_TOP = 6  # best screened candidates re-simulated with the event engine ...
 DES_PER_FAMILY = 2  # ... plus the best few of each family, so family comparisons are like for like
+# Pruning keeps a candidate whose tokens/s cap is within this fraction below a threshold: far
+# above the 9-digit rounding of tokens/s in rank_key, so no tie is ever pruned.
+PRUNE_TOLERANCE = 1e-6
 
 
 def fmt_tokens(n: int) -> str:
@@ -177,9 +185,13 @@ class Search:
     ranked: list[Result]  # event-engine results first (best first), then closed-form only ones
     infeasible: list[InfeasibleGroup]
     candidates: int  # size of the enumerated space (valid topologies x choices)
-    evaluations: int
+    evaluations: int  # simulations run: screened + rescored
     seconds: float
     engine: str
+    feasible: int = 0  # candidates that fit in memory
+    pruned: int = 0  # of those, dropped by their bound without a simulation
+    screened: int = 0  # simulated with the closed form
+    rescored: int = 0  # re-simulated with `engine`
 
     @property
     def gpus(self) -> int:
@@ -269,12 +281,16 @@ def cluster_gpus(profile: HardwareProfile, nodes: int) -> int:
 
 def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
-           axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None) -> Search:
+           axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None,
+           keep: int | None = None) -> Search:
     """Drop what does not fit, screen the rest with the closed form, re-score the best with
     `engine`, rank.
 
     `engine="closed-form"` skips the second stage (sweeps and tests). `workers` defaults to the
-    cores this process may use. Raises InputError for an impossible cluster or when nothing fits.
+    cores this process may use. `keep`: the first `keep` entries of `ranked`, the baseline and
+    the best of each family are what an exhaustive search gives, and candidates that cannot
+    reach them are pruned (`ranked` then holds only the screened ones); None screens every
+    candidate. Raises InputError for an impossible cluster or when nothing fits.
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
@@ -295,9 +311,15 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
             else:
                 space.reject(f"{cand.label} ({eng})", result.reason or "infeasible", rule=False)
 
-    screened = sorted(evaluate(fitting, "closed-form"), key=lambda cr: rank_key(cr[1]))
-    evaluations = len(fitting)
+    if keep is None:
+        screened = sorted(evaluate(fitting, "closed-form"), key=lambda cr: rank_key(cr[1]))
+        scored = len(fitting)
+    else:
+        screened, scored = screen_pruned(model, fitting, profile, engine, keep, des_top,
+                                         lambda cands: evaluate(cands, "closed-form"))
+    evaluations = scored
     ranked = [r for _, r in screened]
+    picks: list[int] = []
     if engine != "closed-form" and screened:
         picks = _to_rescore(screened, des_top)
         rescored = sorted((r for _, r in evaluate([screened[i][0] for i in picks], engine)),
@@ -313,4 +335,72 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
         raise InputError(f"nothing feasible for {model.name} at {fmt_tokens(workload.seq_len)} on "
                          f"{gpus} GPUs ({len(space.candidates)} candidates): {summary}")
     return Search(model, workload, profile, nodes, ranked, infeasible, len(space.candidates), evaluations,
-                  time.perf_counter() - start, engine)
+                  time.perf_counter() - start, engine, feasible=len(fitting),
+                  pruned=len(fitting) - scored, screened=scored, rescored=len(picks))
+
+
+def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareProfile, engine: str,
+                  keep: int, des_top: int, evaluate) -> tuple[list[tuple[Candidate, Result]], int]:
+    """(screened candidates with their closed-form results, best first; how many were simulated).
+
+    What the reported ranking reads from the screen: its first `keep + picks` entries (the
+    event engine's picks come first, then the rest in screen order), and the best DES_PER_FAMILY
+    of each family and of the plans without BP. A candidate can change these only if its
+    tokens/s cap (tokens per step over a lower bound on its step time, so at least its real
+    tokens/s) reaches what the last of them in one of its groups has so far. Candidates are
+    taken best cap first: one that still matters gets the tighter bound (its own K/V calls and
+    transfers), and if it still matters, a simulation; the screen ends when no candidate left
+    matters, the rest are pruned. Ties in rank_key keep the enumeration order, as the
+    exhaustive sort does.
+    """
+    quick: dict[tuple, float] = {}
+    cap, tight = [], [False] * len(fitting)
+    tokens = [c.workload.seq_len * c.workload.micro_batch * c.plan.sequences for c in fitting]
+    for cand, n in zip(fitting, tokens):
+        key = quick_bound_key(cand.plan, cand.workload, profile)
+        if key not in quick:
+            quick[key] = step_time_lower_bound(model, cand.workload, cand.plan, profile, keys_at_home=True)
+        cap.append(n / quick[key] if quick[key] > 0 else math.inf)
+    order = sorted(range(len(fitting)), key=lambda i: (-cap[i], i))
+    done: set[int] = set()
+    scored: list[tuple[int, Candidate, Result]] = []
+    while True:
+        scored.sort(key=lambda icr: (rank_key(icr[2]), icr[0]))
+        floors = _floors(scored, keep, des_top, engine)
+        matter = [i for i in order if i not in done and any(
+            cap[i] >= floors.get(g, 0.0) * (1 - PRUNE_TOLERANCE) for g in _groups(fitting[i].plan))]
+        i = max(matter, key=lambda i: (cap[i], -i), default=None)  # the best cap known now
+        if i is None:
+            return [(c, r) for _, c, r in scored], len(done)
+        cand = fitting[i]
+        if not tight[i]:
+            tight[i] = True
+            bound = step_time_lower_bound(model, cand.workload, cand.plan, profile)
+            cap[i] = min(cap[i], tokens[i] / bound if bound > 0 else math.inf)
+            continue
+        done.add(i)
+        scored += [(i, c, r) for c, r in evaluate([cand])]
+
+
+def _groups(plan: Plan) -> tuple[str, ...]:
+    """The parts of the reported ranking a candidate can enter."""
+    return ("all", family(plan)) + (("no-bp",) if plan.bp == 1 else ())
+
+
+def _floors(scored: list[tuple[int, Candidate, Result]], keep: int, des_top: int,
+            engine: str) -> dict[str, float]:
+    """Per group, the tokens/s a candidate must reach to matter there (0: everything matters
+    until the group has enough scored members)."""
+    best = [(c, r) for _, c, r in scored]
+    picks = _to_rescore(best, des_top) if engine != "closed-form" else []
+    need = {"all": keep + len(picks)}
+    members: dict[str, list[float]] = {}
+    for c, r in best:
+        for g in _groups(c.plan):
+            members.setdefault(g, []).append(r.tokens_per_s or 0.0)
+    floors = {}
+    for g, speeds in members.items():
+        n = need.get(g, DES_PER_FAMILY)
+        if len(speeds) >= n:
+            floors[g] = speeds[n - 1]
+    return floors

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from csbp.simulator.cost import collective_seconds, comm_seconds, compute_seconds, seconds
+from csbp.simulator.cost import along, collective_seconds, comm_seconds, compute_seconds, seconds
 from csbp.simulator.graph import Comm, Compute, Group
-from csbp.simulator.hardware import load_profile
+from csbp.simulator.hardware import interpolate, load_profile
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +109,15 @@ def test_cpu_host_profile_adds_per_op_overhead_and_core_share():
     assert t[0] == pytest.approx((base + cpu.gpu.op_overhead_us * 1e-6) / cpu.node.core_share(4))
     assert t[1] == 0.0  # no work, no op
     assert np.all(t >= 0)
+
+
+def test_curves_read_at_once_equal_the_scalar_reads():
+    """`along` (every rank's efficiency in one call) gives the scalar `interpolate`, bit for bit."""
+    x = np.concatenate([np.exp(np.random.default_rng(1).uniform(-12, 25, 5000)),
+                        [0.0, 1e-3, 0.01, 1, 16, 128, 128.0000001, 8192, 1e9]])
+    for name in ("h200", "h100", "cpu-measured"):
+        gpu = load_profile(name).gpu
+        for curve in (gpu.gemm_efficiency, gpu.attention_forward_efficiency, ((5.0, 0.5),)):
+            for factor in (1.0, 0.8):
+                want = [interpolate(curve, v) * factor if v else 1.0 for v in x.tolist()]
+                assert along(curve, x, factor).tolist() == want

@@ -31,10 +31,25 @@ def test_rows_received_equal_the_exchanges(lay, a, ckpt):
     for phase in kv_rows.PHASES:
         assert kv_rows.pattern(lay, a, phase) == lay.exchange(a, phase).pattern
         assert kv_rows.received(lay, a, phase).tolist() == from_exchange(lay, a, phase)
+        ex = lay.exchange(a, phase)
+        for step, st in enumerate(ex.steps):
+            for payload in (None, "kv", "dkv"):
+                want = [sum(t.n_rows for t in st.transfers if t.dst == r and payload in (None, t.payload))
+                        for r in range(lay.size)]
+                assert kv_rows.step_received(lay, a, phase, step, payload).tolist() == want
+            if ex.pattern == "ring":
+                senders = {t.dst: t.src for t in st.transfers}
+                assert kv_rows.ring_senders(lay) == tuple(senders.get(r, r) for r in range(lay.size))
     ex = lay.exchange(a, "forward")
     per_step = [[sum(t.n_rows for t in s.transfers if t.dst == r) for s in ex.steps] for r in range(lay.size)]
     if ex.pattern == "ring":
         assert kv_rows.held_at_once(lay, a).tolist() == [max(s, default=0) for s in per_step]
+    if ex.pattern in ("all-gather", "all-to-all"):
+        sent = [ex.rows_sent(r) for r in range(lay.size)]
+        groups = {r: len(g) for g in ex.groups for r in g}
+        if ex.pattern == "all-gather":  # one buffer for every member
+            sent = [s // max(groups[r] - 1, 1) for r, s in enumerate(sent)]
+        assert kv_rows.packed_rows(lay, a).tolist() == sent
 
 
 def test_drafter_rows_equal_the_exchanges():

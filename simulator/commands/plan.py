@@ -156,7 +156,7 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
     if announce:
         announce(f"Planning {job}")
     found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
-                   **searched)
+                   keep=args.top, **searched)
     command = None
     if args.out:
         write_plan_file(found, args.out, args.hardware)
@@ -254,7 +254,8 @@ def _json(found, args: argparse.Namespace, command: str | None) -> dict:
         "candidates": [_with_speedup(r, base) for r in found.ranked[:args.top]],
         "infeasible": [g.to_json() for g in found.infeasible],
         "search": {"candidates": found.candidates, "evaluations": found.evaluations,
-                   "engine": found.engine},  # wall time goes to stderr: the JSON stays deterministic
+                   "engine": found.engine, "feasible": found.feasible, "pruned": found.pruned,
+                   "screened": found.screened, "rescored": found.rescored},  # wall time goes to stderr: the JSON stays deterministic
         "plan_file": args.out,
         "torchrun": command,
     }
@@ -322,7 +323,7 @@ def _print(found, args: argparse.Namespace, command: str | None) -> None:
 def _ranking(found, top: int) -> Table:
     """Compact enough for a 100-column terminal; `--json` has every figure in full."""
     base = found.baseline
-    table = Table(title=f"Top {min(top, len(found.ranked))} of {len(found.ranked)} feasible candidates",
+    table = Table(title=f"Top {min(top, len(found.ranked))} of {found.feasible} feasible candidates",
                   box=box.SIMPLE_HEAD, caption="K/V: clean K/V transport; blocks: noisy-block schedule; "
                   "ckpt: activation checkpointing; cf: closed-form screen only", caption_justify="left")
     for col in ("#", "plan", "K/V", "blocks", "ckpt", "tokens/s", "vs base", "step", "peak mem",

@@ -40,16 +40,9 @@ class Timeline:
 
 def durations(graph: StepGraph, profile: HardwareProfile) -> np.ndarray:
     """[op, rank] seconds; identical layers share work objects, so each is priced once."""
-    row: dict[int, int] = {}  # id(work) -> its row in `priced`
-    priced: list[np.ndarray] = []
-    which = np.empty(len(graph.ops), dtype=np.intp)
-    for op in graph.ops:
-        key = id(op.work)
-        if key not in row:
-            row[key] = len(priced)
-            priced.append(seconds(op.work, profile))
-        which[op.index] = row[key]
-    return np.array(priced).reshape(-1, graph.ranks)[which]
+    works, which = graph.works()
+    priced = np.array([seconds(w, profile) for w in works]).reshape(-1, graph.ranks)
+    return priced[which]
 
 
 def simulate_graph(graph: StepGraph, profile: HardwareProfile, engine: str = "des",

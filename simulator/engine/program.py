@@ -8,15 +8,14 @@ itself is a few array operations per op.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from csbp.simulator.graph import Comm, Group, StepGraph
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     comm: bool
     deps: tuple[int, ...]
     sync: tuple[np.ndarray, ...] | None  # rank sets that wait for each other; None: nobody waits
@@ -24,25 +23,21 @@ class Step:
 
 
 def program(graph: StepGraph) -> list[Step]:
-    """The graph's ops as engine steps (kept with the graph: the DES re-runs a screened graph)."""
+    """The graph's ops as engine steps (kept with the graph: the DES re-runs a screened graph).
+    What a step needs of its work is the same wherever the work is shared: found once per work."""
     if "program" not in graph._arrays:
+        works, which = graph.works()
         groups: dict[int, tuple | None] = {}
-        peers: dict[int, np.ndarray] = {}
-        steps = []
-        for op in graph.ops:
-            work = op.work
+        per_work = []
+        for work in works:
             if not isinstance(work, Comm):
-                steps.append(Step(False, op.deps, None, None))
+                per_work.append((False, None, None))
                 continue
             if id(work.group) not in groups:
                 groups[id(work.group)] = _sync(work.group, graph.ranks)
-            peer = None
-            if work.peer:
-                if id(work.peer) not in peers:
-                    peers[id(work.peer)] = np.array(work.peer)
-                peer = peers[id(work.peer)]
-            steps.append(Step(True, op.deps, groups[id(work.group)], peer))
-        graph._arrays["program"] = steps
+            per_work.append((True, groups[id(work.group)], np.array(work.peer) if work.peer else None))
+        graph._arrays["program"] = [Step(c, op.deps, sync, peer) for op, (c, sync, peer)
+                                    in zip(graph.ops, map(per_work.__getitem__, which.tolist()))]
     return graph._arrays["program"]
 
 
@@ -78,25 +73,26 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
     start: list[np.ndarray] = []
     finish: list[np.ndarray] = []
     compute_free = comm_free = zero
-    for step, took in zip(program(graph), d):
-        deps = step.deps
+    rows = iter(d)
+    for comm, deps, sync, peer in program(graph):
+        took = next(rows)
         if deps:
             ready = finish[deps[0]]
             for j in deps[1:]:
                 ready = maximum(ready, finish[j])
         else:
             ready = zero
-        if step.comm:
+        if comm:
             if not overlap:
                 begin = maximum(compute_free, ready)
             elif queue_comm:
                 begin = maximum(comm_free, ready)
             else:
                 begin = ready
-            if step.sync is not None:
-                begin = slowest(begin, step.sync)
-            if step.peer is not None:
-                begin = maximum(begin, begin[step.peer])
+            if sync is not None:
+                begin = slowest(begin, sync)
+            if peer is not None:
+                begin = maximum(begin, begin[peer])
             end = begin + took
             if not overlap:
                 compute_free = end
