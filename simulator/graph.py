@@ -55,6 +55,7 @@ DELTA_RULE_CHUNK = 64
 # bf16 weight: 3*4+2 bytes each way.
 ADAMW_BYTES_PER_PARAM = 28
 LOSS_BYTES = 4  # the step's loss, fp32
+COUNT_BYTES = 8  # a row count of the EP dispatch, int64
 
 PerRank = tuple[float, ...]
 
@@ -340,6 +341,12 @@ class _Builder:
         return self.comm(collective, tokens * self.m.hidden * self.dt * self.ring_share(self.g_tp),
                          self.g_tp, "tp")
 
+    def mlp_collective(self, collective: Collective) -> Comm | None:
+        """The MLP's sequence-parallel boundary; a MoE without a dense branch has none (its experts
+        take the shard's own tokens)."""
+        moe = self.m.moe
+        return None if moe and not moe.dense_ffn else self.tp_collective(collective)
+
     # -- sizes of one layer kind ----------------------------------------------------------------
     def mixer_gemms(self, a: AttentionSpec) -> tuple[np.ndarray, np.ndarray]:
         """Forward FLOPs of the input projections and of the output projection, per rank."""
@@ -479,10 +486,10 @@ class _Builder:
             x = self.attention_forward(li, a, phase, x)
         x = self.add("out-proj", phase, li, c(("out", a), lambda: self.gemm(f_out)), x)
         x = self.add("attn-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
-        x = self.add("mlp-in.ag", phase, li, self.tp_collective("all-gather"), x)
+        x = self.add("mlp-in.ag", phase, li, self.mlp_collective("all-gather"), x)
         x = self.add("norm-swiglu", phase, li, norm_work, x)
         x = self.ffn(li, phase, x, backward=False)
-        return self.add("mlp-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
+        return self.add("mlp-out.rs", phase, li, self.mlp_collective("reduce-scatter"), x)
 
     def attend(self, li: int, a: AttentionSpec, phase: Phase, pattern: str, part: int, *deps: Deps) -> Deps:
         """Append attention of the rank's queries over one key part of the layer kind's split."""
@@ -574,6 +581,9 @@ class _Builder:
         router_ratio = 1.0 if backward and self.obj.frozen_router else ratio  # input gradient only
         router = self.add("router", phase, li, self.cached(("router", backward), lambda: self.gemm(
             router_ratio * 2 * tokens * h * moe.n_experts)), x)
+        if not backward:  # each expert's row count to its owner, so it knows what will arrive
+            router = self.add("ep.counts", phase, li, self.cached("ep-counts", lambda: self.comm(
+                "all-to-all", moe.n_experts * COUNT_BYTES * (ep - 1) / ep, self.g_ep, "ep")), router)
         sent = self.add("ep.combine-grad" if backward else "ep.dispatch", phase, li, a2a, router)
         experts = self.add("experts", phase, li, self.cached(("experts", backward), lambda: self.gemm(
             ratio * 2 * tokens * moe.top_k * 3 * h * moe.expert_ffn,
@@ -589,10 +599,10 @@ class _Builder:
         c, g = self.cached, GEMM_BACKWARD_FLOP_RATIO
         norm_work = c(("normb", a), lambda: self.memory_bound(2 * self.norm_bytes(a)))
         f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
-        x = self.add("mlp-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
+        x = self.add("mlp-out.ag-bwd", "backward", li, self.mlp_collective("all-gather"), x)
         x = self.ffn(li, "backward", x, backward=True)
         x = self.add("norm-swiglu-bwd", "backward", li, norm_work, x)
-        x = self.add("mlp-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x)
+        x = self.add("mlp-in.rs-bwd", "backward", li, self.mlp_collective("reduce-scatter"), x)
         x = self.add("attn-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
         x = self.add("out-proj-bwd", "backward", li, c(("outb", a), lambda: self.gemm(g * f_out, 2)), x)
         if a.kind == "linear":
@@ -609,10 +619,19 @@ class _Builder:
 
     # -- parameters and gradients -------------------------------------------------------------
     def layer_params(self, a: AttentionSpec) -> tuple[float, float]:
-        """(dense, expert) parameters one rank holds of a layer: dense /tp, experts /ep."""
+        """(dense, expert) parameters one rank holds of a layer: dense /tp, experts /ep; norms
+        and the router whole (every rank routes its own tokens)."""
         m = self.m
-        dense = (m.mixer_params(a) + m.dense_ffn_params()) / self.tp + 2 * m.hidden
-        return dense, m.expert_params_per_layer() / self.p.ep
+        router = m.hidden * m.moe.n_experts if m.moe else 0
+        dense = (m.mixer_params(a) + m.dense_ffn_params()) / self.tp + 2 * m.hidden + router
+        return dense, (m.expert_params_per_layer() - router) / self.p.ep
+
+    def sequence_parallel_params(self) -> float:
+        """Weights every TP rank holds whole but applies to its own sequence shard (norms, a
+        trained router): their gradients are partial sums over the TP group."""
+        m = self.m
+        router = m.hidden * m.moe.n_experts if m.moe and not self.obj.frozen_router else 0
+        return m.n_layers * (2 * m.hidden + router) + m.hidden
 
     def edge_params(self) -> tuple[float, float]:
         """(LM head, embedding + final norm + conditioning) parameters one rank trains.
@@ -698,6 +717,12 @@ class _Builder:
         h, V = self.m.hidden, self.m.vocab
         x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", self.noisy), x)
         x = self.add("lm-head", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
+        # vocabulary-parallel cross-entropy: each row's max logit, then its target logit and sum
+        # of exponentials, all-reduced over TP in fp32 (Megatron's algorithm)
+        for name, values in (("max", 1), ("sums", 2)):
+            x = self.add(f"cross-entropy.{name}.ar", "forward", None, self.comm(
+                "all-reduce", self.noisy * values * LOSS_BYTES * 2 * self.ring_share(self.g_tp),
+                self.g_tp, "tp"), x)
         return self.add("cross-entropy", "forward", None, self.memory_bound(self.noisy * V / self.tp * 4 * 3), x)
 
     # -- the step ------------------------------------------------------------------------------
@@ -731,6 +756,8 @@ class _Builder:
         for v in range(obj.views):
             last_view = v == obj.views - 1
             x = self.add("embed", "forward", None, embed, x)
+            # vocabulary-parallel embedding: partial embeddings reduce-scattered to the shards
+            x = self.add("embed.rs", "forward", None, self.tp_collective("reduce-scatter"), x)
             x = self.add("fc-conditioning", "forward", None, self.conditioning(False), x)
             prefetch: Deps = ()
             for li, a in enumerate(layers):
@@ -755,7 +782,12 @@ class _Builder:
                     grads += self.grad_sync(li, *self.layer_params(a), x)
             x = self.add("fc-conditioning-bwd", "backward", None, self.conditioning(True), x)
             if not obj.frozen_embeddings:
+                x = self.add("embed.ag-bwd", "backward", None, self.tp_collective("all-gather"), x)
                 x = self.add("embed-bwd", "backward", None, embed, x)
+            if last_view:  # norms' and router's partial gradients summed over TP, once
+                grads += self.add("grads.sequence-parallel.all-reduce", "grad-sync", None, self.comm(
+                    "all-reduce", self.sequence_parallel_params() * self.dt * 2 * self.ring_share(self.g_tp),
+                    self.g_tp, "gradients"), x)
             if last_view and bucketed:
                 tied = head_params if m.tie_embeddings else 0.0
                 grads += self.grad_sync(None, edge_params + tied, 0.0, x)
