@@ -102,8 +102,9 @@ def search_cell(cell: Cell, profile: HardwareProfile, flags: argparse.Namespace,
     inputs = workload_inputs(cell.model, cell.seq_len, flags)
     nodes = cell.gpus // profile.node.gpus_per_node
     try:
+        # keep=1: the winner, the baseline and each family's best are exact, the rest may be pruned
         found = search(inputs.model, inputs.workload, profile, nodes, engine=engine, axes=axes,
-                       workers=workers)
+                       workers=workers, keep=1)
     except InputError as err:  # nothing feasible at this cell
         return CellSearch(cell, nodes, None, str(err))
     return CellSearch(cell, nodes, found)

@@ -151,7 +151,7 @@ def sensitivity(found: Search, *, axes: tuple[str, ...] | None = None,
             if name == "reserve":
                 try:
                     again = search(found.model, found.workload, profile, found.nodes,
-                                   engine="closed-form", workers=workers, **limits)
+                                   engine="closed-form", workers=workers, keep=1, **limits)
                     outcome = _from_search(factor, again)
                     evaluations += again.evaluations
                 except InputError:  # nothing fits any more
