@@ -1,4 +1,4 @@
-"""Named models of the CSBP study (shared/reference/workloads.md) plus a tiny CPU model.
+"""Named models of the CSBP study (shared/reference/workloads.md) plus tiny CPU models.
 
 Each preset says where its shapes come from; figures the reference marks unverified say so in
 `source`. `load_model(name_or_path)` is the one entry point: a preset name, or a path to a
@@ -75,6 +75,11 @@ _PRESETS = {
     "qwen2.5-7b": lambda: _dense("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, qkv_bias=True,
                                  source="workloads.md (Qwen2.5-7B config)"),
     "tiny": lambda: _dense("tiny", 2, 64, 4, 2, 16, 128, 256, source="csbp test model for CPU runs"),
+    "tiny-moe": lambda: ModelSpec(
+        name="tiny-moe", hidden=64, ffn=0, vocab=256,
+        layers=(AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16),) * 2,
+        moe=MoESpec(n_experts=8, top_k=2, expert_ffn=64, dense_ffn=64),
+        source="csbp test MoE model for CPU runs (expert and tensor parallelism)"),
 }
 
 PRESET_NAMES = tuple(_PRESETS)
