@@ -192,6 +192,8 @@ def print_result(result: dict, args: argparse.Namespace) -> None:
     print(f"  attention    {counted:,} B counted, {predicted:,} B predicted per step (max over "
           f"ranks): {'match' if result['attention_bytes_match'] else 'MISMATCH'}")
     for c, pair in result["bytes_by_category"].items():
+        if c == "attention-kv":  # the line above
+            continue
         verdict = "match" if result["bytes_by_category_match"][c] else "MISMATCH"
         print(f"  {c:<12} {pair['counted']:,} B counted, {pair['predicted']:,} B predicted "
               f"(max over ranks): {verdict}")

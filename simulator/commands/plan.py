@@ -39,8 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_cluster_args(p)
     p.set_defaults(checkpointing=None)  # searched unless given
     p.add_argument("--axes", default=",".join(AXES),
-                   help="axes the search may use, others stay 1 (default: all; e.g. dp,cp,bp for a "
-                        "runtime without TP/EP)")
+                   help="axes the search may use, others stay 1 (default: all; e.g. dp,cp,bp)")
     p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
     p.add_argument("--engine", default="des", choices=["des", "closed-form"],
                    help="engine of the final ranking (closed-form: screen only, fastest)")
