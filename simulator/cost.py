@@ -8,6 +8,8 @@ lives in one function with its source.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from csbp.simulator.graph import Comm, Compute, Group, Work
@@ -145,6 +147,8 @@ def collective_seconds(work: Comm, recv_bytes: float, profile: HardwareProfile) 
 def comm_seconds(work: Comm, profile: HardwareProfile) -> np.ndarray:
     """Per rank; a collective ends together for its members: the slowest member sets the time."""
     priced = {b: collective_seconds(work, b, profile) for b in set(work.bytes)}  # ranks often match
+    if len(priced) == 1:  # every member the same: nobody waits for a slower one
+        return np.full(len(work.bytes), priced[work.bytes[0]])
     return work.group.slowest(np.array([priced[b] for b in work.bytes]))
 
 
@@ -152,4 +156,10 @@ def seconds(work: Work, profile: HardwareProfile) -> np.ndarray:
     """Seconds of one op on each representative rank."""
     if isinstance(work, Comm):
         return comm_seconds(work, profile)
+    if len(work.flops) > 1 and all(len(set(v)) <= 1 for v in
+                                   (work.flops, work.bytes, work.tile_len, work.dense_flops)):
+        # every rank does the same work (most GEMMs, norms): price one, the same arithmetic
+        first = replace(work, flops=work.flops[:1], bytes=work.bytes[:1], tile_len=work.tile_len[:1],
+                        dense_flops=work.dense_flops[:1])
+        return np.full(len(work.flops), compute_seconds(first, profile)[0])
     return compute_seconds(work, profile)

@@ -222,7 +222,7 @@ def _placed_group(degrees: tuple[int, ...], placement: str, gpus_per_node: int,
         ci = order.index("ctx")
         key = key * dims["ctx"] + coords[ci] // ctx_block
         n = n // dims["ctx"] * ctx_block
-    _, counts = np.unique(np.stack([key, node]), axis=1, return_counts=True)
+    _, counts = np.unique(key * (int(node.max()) + 1) + node, return_counts=True)
     return n, int(counts.min())
 
 

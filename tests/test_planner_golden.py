@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from csbp.simulator.cli import build_parser
+from csbp.simulator.commands import plan as plan_command
 from csbp.simulator.commands.plan import answer
-from csbp.simulator.planner import label_of
+from csbp.simulator.planner import label_of, search
 
 GOLDEN = Path(__file__).parent / "golden" / "planner.json"
 
@@ -44,16 +46,24 @@ CASES = [
 
 # what the search reports about its own work: it changes when the search gets smarter
 OWN_WORK = ("evaluations", "pruned", "screened", "rescored")
+# the planner's answer in the JSON (what-if and sensitivity re-rank it; they have their own tests)
+ANSWER = ("default_job", "recommended", "baseline", "speedup", "candidates", "infeasible", "search",
+          "plan_file", "torchrun")
 
 
-def planned(flags: list[str]):
+def planned(flags: list[str], exhaustive: bool = False):
+    """`csbp plan FLAGS --json` answered; `exhaustive`: every candidate screened (no pruning)."""
     argv = ["plan", *flags, "--json", "--jobs", "1"]
-    return answer(build_parser(argv).parse_args(argv))
+    args = build_parser(argv).parse_args(argv)
+    if not exhaustive:
+        return answer(args)
+    with mock.patch.object(plan_command, "search", lambda *a, keep=None, **k: search(*a, **k)):
+        return answer(args)
 
 
 def record(flags: list[str]) -> dict:
-    p = planned(flags)
-    return {"json": json.loads(json.dumps(p.to_json())),
+    p = planned(flags, exhaustive=True)
+    return {"json": {k: v for k, v in json.loads(json.dumps(p.to_json())).items() if k in ANSWER},
             "ranking": [label_of(r) for r in p.found.ranked]}
 
 
@@ -76,6 +86,21 @@ def test_plan_json_unchanged(name, flags, golden):
     got = json.loads(json.dumps(planned(flags).to_json()))
     want = golden[name]["json"]
     assert_close(recorded_part(got, want), recorded_part(want, want), name)
+
+
+@pytest.mark.parametrize("name", ["default", "qwen35-128k-1n-cf", "m3-64k-1n-axes", "dflash2-64k-1n"])
+def test_exhaustive_ranking_unchanged_and_pruned_ranking_follows_it(name, golden):
+    """Every feasible candidate screened ranks as recorded; a pruned search ranks what it
+    screened in the same order (its first entries are the recorded ones)."""
+    flags = dict(CASES)[name]
+    full = [label_of(r) for r in planned(flags, exhaustive=True).found.ranked]
+    assert full == golden[name]["ranking"]
+    pruned = planned(flags).found
+    labels = [label_of(r) for r in pruned.ranked]
+    assert pruned.pruned + pruned.screened == pruned.feasible == len(full) and pruned.pruned > 0
+    top = int(flags[flags.index("--top") + 1]) if "--top" in flags else 10
+    assert labels[:top] == full[:top]
+    assert labels == [label for label in full if label in set(labels)]  # the recorded order
 
 
 if __name__ == "__main__" and "--record" in sys.argv:
