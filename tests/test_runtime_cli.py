@@ -47,6 +47,26 @@ def test_run_from_a_plan_file_writes_the_result(tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_a_recommended_expert_parallel_plan_runs_from_its_plan_file(tmp_path):
+    """The README's flow: plan tiny-moe for this host, then run the file (`--axes ep` keeps the
+    recommendation expert-parallel whatever the host profile says)."""
+    path = tmp_path / "plan.json"
+    done = csbp("plan", "--model", "tiny-moe", "--hardware", "cpu-measured", "--nodes", "1",
+                "--seq-len", "256", "--block-size", "16", "--dtype", "fp32", "--axes", "ep",
+                "--jobs", "1", "--out", str(path))
+    assert done.returncode == 0, done.stderr
+    assert planfile.load(path).plan.ep > 1
+    done = csbp("run", "--plan", str(path), "--steps", "1", "--warmup", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    pairs, match = result["bytes_by_category"], result["bytes_by_category_match"]
+    assert {"tp", "ep", "attention-kv", "gradients"} <= pairs.keys()
+    assert all(match[c] for c in ("tp", "attention-kv", "gradients", "other"))
+    assert pairs["ep"]["counted"] > 0 and pairs["ep"]["predicted"] > 0  # routing-dependent
+    assert len(result["bytes_by_category_per_rank"]) == result["world"]
+
+
+@pytest.mark.timeout(150)
 def test_torchrun_entry_runs_a_plan():
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
