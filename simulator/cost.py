@@ -152,8 +152,27 @@ def comm_seconds(work: Comm, profile: HardwareProfile) -> np.ndarray:
     return work.group.slowest(np.array([priced[b] for b in work.bytes]))
 
 
+# A planner search prices the same work in many candidates (a layer's GEMMs do not change with
+# checkpointing or the K/V transport): priced works are kept, keyed by value and profile.
+_PRICED: dict[tuple[int, Work], tuple[HardwareProfile, np.ndarray]] = {}
+_PRICED_LIMIT = 200_000
+
+
 def seconds(work: Work, profile: HardwareProfile) -> np.ndarray:
-    """Seconds of one op on each representative rank."""
+    """Seconds of one op on each representative rank (read-only: the array is shared)."""
+    key = (id(profile), work)
+    hit = _PRICED.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_PRICED) >= _PRICED_LIMIT:
+        _PRICED.clear()
+    out = _seconds(work, profile)
+    out.flags.writeable = False
+    _PRICED[key] = (profile, out)
+    return out
+
+
+def _seconds(work: Work, profile: HardwareProfile) -> np.ndarray:
     if isinstance(work, Comm):
         return comm_seconds(work, profile)
     if len(work.flops) > 1 and all(len(set(v)) <= 1 for v in

@@ -871,10 +871,10 @@ class _LayerTemplate:
     def stamp(self, ops: list[Op], layer: int, x: Deps) -> Deps:
         """Append a copy for `layer` after input `x`; returns the ops that end it (as a set)."""
         base, inputs = len(ops), tuple(sorted(set(x)))  # inputs precede every op of the layer
-        shift = base.__add__
-        ops.extend(Op(base + k, name, phase, layer, work,
-                      (inputs if after_input else ()) + tuple(map(shift, inner)))
-                   for k, (name, phase, work, (after_input, inner)) in enumerate(self.ops))
+        shift, new = base.__add__, tuple.__new__
+        ops.extend([new(Op, (base + k, name, phase, layer, work,
+                             (inputs if after_input else ()) + tuple(map(shift, inner))))
+                    for k, (name, phase, work, (after_input, inner)) in enumerate(self.ops)])
         after_input, inner = self.out
         return (inputs if after_input else ()) + tuple(map(shift, inner))
 

@@ -21,7 +21,7 @@ from csbp.simulator.layout import Layout, kv_row_bytes
 from csbp.simulator.objectives import objective_shape
 from csbp.simulator.plan import Plan
 from csbp.simulator.result import GIB
-from csbp.simulator.spans import intersect, size
+from csbp.simulator.spans import Span
 from csbp.simulator.spec import AttentionSpec, ModelSpec
 from csbp.simulator.workload import Workload
 
@@ -48,13 +48,24 @@ LABELS = {"activations": "activations", "params": "params", "grads": "grads",
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    per_rank: tuple[dict[str, float], ...]  # GiB by component, reserved included
+    parts: dict[str, np.ndarray]  # GiB per rank by component, reserved included
     capacity_gib: float
     reserved_gib: float
 
     @cached_property
+    def per_rank(self) -> tuple[dict[str, float], ...]:
+        """GiB by component, one dict per rank."""
+        return tuple(self.rank(r) for r in range(len(self.totals_gib)))
+
+    def rank(self, r: int) -> dict[str, float]:
+        return {k: float(v[r]) for k, v in self.parts.items()}
+
+    @cached_property
     def totals_gib(self) -> list[float]:
-        return [sum(parts.values()) for parts in self.per_rank]
+        total = 0  # each rank's components added in order, as summing its dict would
+        for part in self.parts.values():
+            total = total + part
+        return np.asarray(total, dtype=float).tolist()
 
     @property
     def peak_rank(self) -> int:
@@ -73,7 +84,7 @@ class MemoryEstimate:
         if self.feasible:
             return None
         r = self.peak_rank
-        parts = {k: v for k, v in self.per_rank[r].items() if k != "reserved"}
+        parts = {k: v for k, v in self.rank(r).items() if k != "reserved"}
         need = sum(parts.values())
         shown = ", ".join(f"{LABELS[k]} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.05)
         usable = self.capacity_gib - self.reserved_gib
@@ -117,20 +128,37 @@ def weight_state(model: ModelSpec, workload: Workload, plan: Plan) -> dict[str, 
     Frozen parameters (a drafter's embedding and LM head, shared with the target) are held in the
     compute dtype and have neither gradients nor optimizer state.
     """
-    frozen = model.embedding_params() / plan.tp if objective_shape(workload, model).frozen_embeddings else 0.0
-    dense = model.dense_params() / plan.tp - frozen
-    expert = model.n_layers * model.expert_params_per_layer() / plan.ep
+    sizes = _model_sizes(model)
+    frozen = sizes["embedding"] / plan.tp if objective_shape(workload, model).frozen_embeddings else 0.0
+    dense = sizes["dense"] / plan.tp - frozen
+    expert = model.n_layers * sizes["expert_layer"] / plan.ep
     n_dense = plan.dp * plan.ctx * plan.ep  # ranks holding the same dense shard
     n_expert = plan.dp * plan.ctx * plan.tp
     z, dt = workload.zero_stage, workload.dtype_bytes
     sharded = dense / n_dense + expert / n_expert
     full = dense + expert
-    largest_layer = max(model.mixer_params(a) + model.dense_ffn_params() for a in model.layers) / plan.tp \
-        + model.expert_params_per_layer() / plan.ep
+    largest_layer = sizes["largest_layer"] / plan.tp + sizes["expert_layer"] / plan.ep
     params = (full if z < 3 else sharded + 2 * largest_layer) * dt + frozen * dt  # ZeRO-3: gathered + prefetched layer
     grads = full * dt if z < 2 else (sharded + 2 * largest_layer) * dt  # ZeRO-2/3: reduce buckets
     optimizer = (full if z < 1 else sharded) * OPTIMIZER_BYTES_PER_PARAM
     return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+_SIZES: dict[int, tuple[ModelSpec, dict[str, int]]] = {}
+
+
+def _model_sizes(model: ModelSpec) -> dict:
+    """Parameter counts and layer kinds of the model, found once (a search asks per candidate)."""
+    hit = _SIZES.get(id(model))
+    if hit is None or hit[0] is not model:
+        if len(_SIZES) > 64:
+            _SIZES.clear()
+        hit = _SIZES[id(model)] = (model, {
+            "embedding": model.embedding_params(), "dense": model.dense_params(),
+            "expert_layer": model.expert_params_per_layer(),
+            "largest_layer": max(model.mixer_params(a) + model.dense_ffn_params() for a in model.layers),
+            "kinds": model.attention_kinds()})
+    return hit[1]
 
 
 def context_bytes(model: ModelSpec, kinds: dict[AttentionSpec, int], tokens: float, dtype_bytes: int,
@@ -175,10 +203,15 @@ def _per_rank(layout: Layout, what: str) -> np.ndarray:
     if key not in layout.derived:
         L = layout.seq_len
         count = {"positions": lambda s: s.n_positions,
-                 "noisy": lambda s: size(intersect(s.positions, ((0, L),))),
-                 "context": lambda s: size(intersect(s.owned_kv, ((L, 2 * L),)))}[what]
+                 "noisy": lambda s: _inside(s.positions, 0, L),
+                 "context": lambda s: _inside(s.owned_kv, L, 2 * L)}[what]
         layout.derived[key] = np.array([count(s) for s in layout.shares], dtype=np.int64)
     return layout.derived[key]
+
+
+def _inside(spans: tuple[Span, ...], lo: int, hi: int) -> int:
+    """Positions of `spans` (sorted, disjoint, as a layout keeps them) inside [lo, hi)."""
+    return sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
 
 
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -187,7 +220,7 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
     dt, tp, mb = workload.dtype_bytes, plan.tp, workload.micro_batch
     weights = weight_state(model, workload, plan)
     full_ckpt = workload.checkpointing == "full"
-    kinds = model.attention_kinds()  # identical layers hold identical buffers
+    kinds = _model_sizes(model)["kinds"]  # identical layers hold identical buffers
     obj = objective_shape(workload, model)
     tokens = _per_rank(layout, "positions") * mb
     noisy = _per_rank(layout, "noisy") * mb
@@ -213,11 +246,10 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
     if profile.gpu.dense_attention and copies:
         parts["attention_scores"] = functools.reduce(np.maximum, (
             _dense_score_bytes(layout, a, mb, dt, tp, copies) for a in kinds))
-    gib = {k: (v / GIB).tolist() if isinstance(v, np.ndarray) else [v / GIB] * layout.size
-           for k, v in parts.items()}
-    gib["reserved"] = [profile.gpu.reserved_gib] * layout.size
-    per_rank = tuple(dict(zip(gib, values)) for values in zip(*gib.values()))
-    return MemoryEstimate(per_rank, profile.gpu.memory_gib, profile.gpu.reserved_gib)
+    n = layout.size
+    gib = {k: v / GIB if isinstance(v, np.ndarray) else np.full(n, v / GIB) for k, v in parts.items()}
+    gib["reserved"] = np.full(n, float(profile.gpu.reserved_gib))
+    return MemoryEstimate(gib, profile.gpu.memory_gib, profile.gpu.reserved_gib)
 
 
 def kv_buffer_rows_all(layout: Layout, a: AttentionSpec) -> np.ndarray:

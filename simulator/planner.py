@@ -15,6 +15,7 @@ and grouped by a normalised reason, so the user sees why a topology is missing f
 
 from __future__ import annotations
 
+import heapq
 import math
 import multiprocessing as mp
 import os
@@ -361,25 +362,35 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         if key not in quick:
             quick[key] = step_time_lower_bound(model, cand.workload, cand.plan, profile, keys_at_home=True)
         cap.append(n / quick[key] if quick[key] > 0 else math.inf)
-    order = sorted(range(len(fitting)), key=lambda i: (-cap[i], i))
+    # candidates in the same groups share their thresholds: one heap of caps per set of groups
+    heaps: dict[tuple[str, ...], list[tuple[float, int]]] = {}
+    for i, cand in enumerate(fitting):
+        heaps.setdefault(_groups(cand.plan), []).append((-cap[i], i))
+    for heap in heaps.values():
+        heapq.heapify(heap)
     done: set[int] = set()
     scored: list[tuple[int, Candidate, Result]] = []
     while True:
         scored.sort(key=lambda icr: (rank_key(icr[2]), icr[0]))
         floors = _floors(scored, keep, des_top, engine)
-        matter = [i for i in order if i not in done and any(
-            cap[i] >= floors.get(g, 0.0) * (1 - PRUNE_TOLERANCE) for g in _groups(fitting[i].plan))]
-        i = max(matter, key=lambda i: (cap[i], -i), default=None)  # the best cap known now
-        if i is None:
+        best = None  # the best cap known now among candidates that still matter
+        for groups, heap in heaps.items():
+            while heap and (heap[0][1] in done or -heap[0][0] != cap[heap[0][1]]):
+                heapq.heappop(heap)  # simulated, or its cap has been tightened since
+            if heap and -heap[0][0] >= min(floors.get(g, 0.0) for g in groups) * (1 - PRUNE_TOLERANCE):
+                if best is None or (-heap[0][0], -heap[0][1]) > (cap[best], -best):
+                    best = heap[0][1]
+        if best is None:
             return [(c, r) for _, c, r in scored], len(done)
-        cand = fitting[i]
-        if not tight[i]:
-            tight[i] = True
+        cand = fitting[best]
+        if not tight[best]:
+            tight[best] = True
             bound = step_time_lower_bound(model, cand.workload, cand.plan, profile)
-            cap[i] = min(cap[i], tokens[i] / bound if bound > 0 else math.inf)
+            cap[best] = min(cap[best], tokens[best] / bound if bound > 0 else math.inf)
+            heapq.heappush(heaps[_groups(cand.plan)], (-cap[best], best))
             continue
-        done.add(i)
-        scored += [(i, c, r) for c, r in evaluate([cand])]
+        done.add(best)
+        scored += [(best, c, r) for c, r in evaluate([cand])]
 
 
 def _groups(plan: Plan) -> tuple[str, ...]:

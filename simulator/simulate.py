@@ -76,7 +76,7 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         tokens_per_s=workload.seq_len * workload.micro_batch * plan.sequences / step
         if memory.feasible and step > 0 else None,
         peak_memory_gib=memory.peak_gib,
-        memory_gib=memory.per_rank[memory.peak_rank],
+        memory_gib=memory.rank(memory.peak_rank),
         memory_per_rank_gib=memory.totals_gib,
         attention_traffic_gib_per_gpu=float(kv.max()) * passes / GIB,
         comm_gib_per_gpu={k: float(v.max()) / GIB for k, v in received.items()},

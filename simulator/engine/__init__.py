@@ -77,32 +77,48 @@ def summarize(graph: StepGraph, timeline: Timeline, d: np.ndarray, with_trace: b
     """
     r = timeline.critical_rank
     step = timeline.step_time_s
-    starts, finishes, took = (a[:, r].tolist() for a in (timeline.start, timeline.finish, d))
-    compute = [op for op in graph.ops if not isinstance(op.work, Comm)]
-    comm = sorted((op for op in graph.ops if isinstance(op.work, Comm)), key=lambda op: finishes[op.index])
-    ends = np.array([finishes[op.index] for op in comm])
+    names, compute, compute_phase, comm, comm_phase = _phase_index(graph)
+    begin, end, took = timeline.start[compute, r], timeline.finish[compute, r], d[compute, r]
+    comm_end = timeline.finish[comm, r]
+    by_end = np.argsort(comm_end, kind="stable")  # transfers in the order they end
+    ends, ended_phase = comm_end[by_end], comm_phase[by_end]
+
+    def waited_for(since: np.ndarray, until: np.ndarray, default: np.ndarray) -> np.ndarray:
+        """Phase of the last transfer that ended inside each idle stretch (since, until]."""
+        j = np.searchsorted(ends, until, side="right") - 1
+        last = np.maximum(j, 0)
+        hit = (j >= 0) & (ends[last] > since) if ends.size else np.zeros(j.shape, bool)
+        return np.where(hit, ended_phase[last] if ends.size else default, default)
+
+    # one stream: program order is time order; before each compute op, the idle stretch since
+    # the previous one ended, then the op itself
+    before = np.concatenate([[0.0], end[:-1]])
+    idle = begin - before
+    amounts = np.column_stack([idle, took]).ravel()
+    codes = np.column_stack([waited_for(before, begin, compute_phase), compute_phase]).ravel()
+    charged = np.column_stack([idle > 0, np.ones(len(took), bool)]).ravel()
+    amounts, codes = amounts[charged], codes[charged]
+    last = float(end[-1]) if len(end) else 0.0
+    if step - last > 0:
+        tail = waited_for(np.array([last]), np.array([step]), np.array([names.index("grad-sync")]))
+        amounts, codes = np.append(amounts, step - last), np.append(codes, tail)
     phases: dict[str, float] = {}
-
-    def charge(phase: str, seconds: float) -> None:
-        phases[phase] = phases.get(phase, 0.0) + seconds
-
-    def waited_for(since: float, until: float, default: str) -> str:
-        """Phase of the last transfer that ended inside the idle stretch (since, until]."""
-        j = int(np.searchsorted(ends, until, side="right")) - 1
-        return comm[j].phase if j >= 0 and ends[j] > since else default
-
-    busy, end = 0.0, 0.0
-    for op in compute:  # one stream: program order is time order
-        begin = starts[op.index]
-        if begin - end > 0:
-            charge(waited_for(end, begin, op.phase), begin - end)
-        charge(op.phase, took[op.index])
-        busy += took[op.index]
-        end = finishes[op.index]
-    if step - end > 0:
-        charge(waited_for(end, step, "grad-sync"), step - end)
+    for code in dict.fromkeys(codes.tolist()):  # in the order phases were first charged, each
+        phases[names[code]] = sum(amounts[codes == code].tolist())  # summed in time order
     trace = _trace(graph, timeline) if with_trace else []
-    return Summary(step, max(0.0, step - busy), phases, trace)
+    return Summary(step, max(0.0, step - sum(took.tolist())), phases, trace)
+
+
+def _phase_index(graph: StepGraph) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(phase names, compute op indices and their phase codes, the same for transfers), once per graph."""
+    if "phases" not in graph._arrays:
+        names = list(dict.fromkeys(["grad-sync"] + [op.phase for op in graph.ops]))
+        code = {name: i for i, name in enumerate(names)}
+        is_comm = [isinstance(op.work, Comm) for op in graph.ops]
+        split = ([i for i, c in enumerate(is_comm) if not c], [i for i, c in enumerate(is_comm) if c])
+        graph._arrays["phases"] = (names, *(a for idx in split for a in (
+            np.array(idx, dtype=np.intp), np.array([code[graph.ops[i].phase] for i in idx], dtype=np.intp))))
+    return graph._arrays["phases"]
 
 
 def _trace(graph: StepGraph, timeline: Timeline) -> list[TraceEvent]:

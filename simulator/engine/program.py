@@ -8,25 +8,16 @@ itself is a few array operations per op.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from csbp.simulator.graph import Comm, Group, StepGraph
 
 
-class Step(NamedTuple):
-    comm: bool
-    deps: tuple[int, ...]
-    sync: tuple[np.ndarray, ...] | None  # rank sets that wait for each other; None: nobody waits
-    peer: np.ndarray | None  # p2p: the rank each one receives from
-
-
-def program(graph: StepGraph) -> list[Step]:
-    """The graph's ops as engine steps (kept with the graph: the DES re-runs a screened graph).
-    What a step needs of its work is the same wherever the work is shared: found once per work."""
+def program(graph: StepGraph) -> list[tuple[bool, tuple | None, np.ndarray | None]]:
+    """Per distinct work of the graph: (is it a transfer, rank sets that wait for each other or
+    None, p2p senders or None). Ops sharing a work share these; kept with the graph."""
     if "program" not in graph._arrays:
-        works, which = graph.works()
+        works, _ = graph.works()
         groups: dict[int, tuple | None] = {}
         per_work = []
         for work in works:
@@ -36,8 +27,7 @@ def program(graph: StepGraph) -> list[Step]:
             if id(work.group) not in groups:
                 groups[id(work.group)] = _sync(work.group, graph.ranks)
             per_work.append((True, groups[id(work.group)], np.array(work.peer) if work.peer else None))
-        graph._arrays["program"] = [Step(c, op.deps, sync, peer) for op, (c, sync, peer)
-                                    in zip(graph.ops, map(per_work.__getitem__, which.tolist()))]
+        graph._arrays["program"] = per_work
     return graph._arrays["program"]
 
 
@@ -73,9 +63,11 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
     start: list[np.ndarray] = []
     finish: list[np.ndarray] = []
     compute_free = comm_free = zero
-    rows = iter(d)
-    for comm, deps, sync, peer in program(graph):
-        took = next(rows)
+    per_work = program(graph)
+    _, which = graph.works()
+    for op, w, took in zip(graph.ops, which.tolist(), d):
+        deps = op.deps
+        comm, sync, peer = per_work[w]
         if deps:
             ready = finish[deps[0]]
             for j in deps[1:]:
