@@ -4,7 +4,8 @@ RMSNorm, RoPE, GQA attention (full or sliding-window), SwiGLU or top-k MoE. The 
 *set* of positions of the 2L sequence [x_t ; x_0], because a plan gives each rank only the
 positions it computes: RoPE uses the original position i % L (a noisy token and its clean twin
 share it), and attention is a callable the plan supplies (`runtime.attention.Attention`), so K/V
-exchange lives with the plan and this file stays parallelism-free.
+exchange lives with the plan and this file stays parallelism-free: tensor and expert parallelism
+cut it from outside (`runtime.tensor_parallel`, `runtime.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -159,8 +160,9 @@ class Block(nn.Module):
 class BlockDiffusionLM(nn.Module):
     """Embeddings, blocks, final norm and LM head; the same weights on every rank for a seed.
 
-    `checkpointing` recomputes each block in backward (torch.utils.checkpoint), so the block's
-    K/V exchange really runs again, as the layout's recompute phase predicts.
+    `checkpointing` recomputes each whole block in backward (torch.utils.checkpoint, without
+    stopping early), so the block's K/V exchange and TP/EP collectives really run again, as the
+    step graph's recompute phase predicts.
     """
 
     def __init__(self, spec: ModelSpec, seed: int = 0, checkpointing: bool = False):
