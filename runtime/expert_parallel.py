@@ -67,12 +67,12 @@ class ExpertParallelExperts(nn.ModuleDict):
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows grouped by expert (`counts[e]` for expert e of the whole model) -> their outputs."""
         ep = self.group.peers.size
-        wanted = torch.tensor(counts, dtype=torch.int64)
+        wanted = torch.tensor(counts, dtype=torch.int64, device=rows.device)
         offered = self.group.all_to_all(wanted, [self.per] * ep, [self.per] * ep).view(ep, self.per)
         send = wanted.view(ep, self.per).sum(1).tolist()
         recv = offered.sum(1).tolist()
         arrived = _AllToAll.apply(rows, send, recv, self.group)  # by source, then local expert
-        order = _by_expert(offered)
+        order = _by_expert(offered.cpu()).to(rows.device)
         y = run_experts(self.values(), arrived[order], offered.sum(0).tolist())
         return _AllToAll.apply(y[order.argsort()], recv, send, self.group)
 

@@ -132,7 +132,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         softmax, local, mine = ctx.saved_tensors
         g = softmax.clone()
-        g[torch.arange(len(g)), local] -= mine.to(g.dtype)
+        g[torch.arange(len(g), device=g.device), local] -= mine.to(g.dtype)
         return g * grad[:, None], None, None, None
 
 
@@ -172,7 +172,8 @@ class VocabParallelHead(nn.Module):
 def sequence_order(positions: torch.Tensor, seq_len: int, tp: int) -> torch.Tensor:
     """A context rank's positions in shard order (see the module docstring)."""
     noisy, clean = positions[positions < seq_len], positions[positions >= seq_len]
-    return torch.cat([torch.cat(runs) for runs in zip(noisy.tensor_split(tp), clean.tensor_split(tp))])
+    runs = zip(noisy.tensor_split(tp), clean.tensor_split(tp))
+    return torch.cat([torch.cat(pair) for pair in runs])
 
 
 def check_supported(spec: ModelSpec, layout: Layout, plan: Plan) -> None:

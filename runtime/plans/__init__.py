@@ -1,8 +1,8 @@
 """What one rank does for a plan: its sequences, its positions of the 2L sequence, its attention,
 and its part of the model.
 
-A plan is axes composed, each in its own module. The mesh (`runtime.mesh`) places ranks and
-makes the process groups. The DP axis (`dp.py`) gives each replica its own sequences and sums gradients.
+A plan is axes composed, each in its own module. The mesh (`runtime.mesh`) places ranks and makes
+the process groups. The DP axis (`dp.py`) gives each replica its own sequences and sums gradients.
 The context axis (`context.py`) gives a rank its positions and K/V exchange, read from the
 simulator's layout: CP, pure BP and CSBP run the same code with different layouts, because the
 layout (ownership, exchanged rows) is all that differs between them and the runtime never computes
