@@ -68,6 +68,14 @@ def map_table(answers: list[CellSearch], hardware: str) -> pd.DataFrame:
     return pd.DataFrame([cell_row(a, hardware) for a in answers], columns=list(COLUMNS))
 
 
+def is_tie(row) -> bool:
+    """The winner beats the best plan on the other side of BP by less than TIE (a coin toss the
+    planner settles by memory, then traffic)."""
+    if not row.feasible or pd.isna(row.bp_speedup):
+        return False
+    return 1 / TIE < row.bp_speedup < TIE
+
+
 def cell_text(row) -> str:
     """The label a cell carries on the heatmap: BP's speedup, or why there is none."""
     if not row.feasible:

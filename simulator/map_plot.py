@@ -2,7 +2,8 @@
 
 One panel per model of the table, GPU count up, context across, so the crossovers read as the
 borders between colours; the label says what BP is worth in each cell (below 1: BP loses), and
-'+TP'/'+EP' under it when the winner uses them.
+'+TP'/'+EP' under it when the winner uses them. A pale cell is a tie (BP and no BP within 0.5 %):
+the colour there says which side the planner's tie-break chose, not that it wins.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from csbp.simulator.decision_map import FAMILY_NAMES, cell_text
+from csbp.simulator.decision_map import FAMILY_NAMES, TIE, cell_text, is_tie
 from csbp.simulator.planner import FAMILIES, fmt_tokens
 from csbp.simulator.sweep import FAMILY_COLORS, save_figure
+
+
+SOLID, PALE = 0.8, 0.3
 
 
 def draw_map(df: pd.DataFrame, path: Path, subtitle: str = "") -> Path:
@@ -37,7 +41,7 @@ def draw_map(df: pd.DataFrame, path: Path, subtitle: str = "") -> Path:
                 row = cells.loc[(g, L)]
                 if row.feasible:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=FAMILY_COLORS[row.family],
-                                           alpha=0.75, edgecolor="white", lw=1.5))
+                                           alpha=PALE if is_tie(row) else SOLID, edgecolor="white", lw=1.5))
                 else:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white",
                                            edgecolor="gray", hatch="////", lw=0))
@@ -53,7 +57,8 @@ def draw_map(df: pd.DataFrame, path: Path, subtitle: str = "") -> Path:
         ax.set_ylabel("GPUs")
         ax.set_title(f"{model}{subtitle}\ncolour: recommended family; label: best BP / best no-BP",
                      fontsize=9)
-    handles = [Patch(color=FAMILY_COLORS[f], alpha=0.75, label=FAMILY_NAMES[f]) for f in FAMILIES]
+    handles = [Patch(color=FAMILY_COLORS[f], alpha=SOLID, label=FAMILY_NAMES[f]) for f in FAMILIES]
+    handles.append(Patch(color="gray", alpha=PALE, label=f"pale: tie (within {(TIE - 1) * 100:.1f} %)"))
     handles.append(Patch(facecolor="white", edgecolor="gray", hatch="////", label="nothing fits"))
     axes[0][-1].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return save_figure(fig, path)

@@ -114,16 +114,18 @@ def _bp_worth(df: pd.DataFrame, counts: list[int], lengths: list[int]) -> list[s
                    f"({top.bp_speedup:.2f}x, {top.best_bp_plan})")
     else:
         best = both.bp_speedup.max() if len(both) else None
-        out.append(f"BP never gains {(NOTABLE - 1) * 100:.0f} % or more" + (f" (at best {best:.2f}x)" if best is not None else ""))
+        out.append(f"BP never gains {(NOTABLE - 1) * 100:.0f} % or more" + (f" (at best {best:.3f}x)" if best is not None else ""))
     small = both[(both.bp_speedup >= TIE) & (both.bp_speedup < NOTABLE)]
     if len(small):
         out.append(f"it gains {(TIE - 1) * 100:.1f}-{(NOTABLE - 1) * 100:.0f} % at {where(small, counts, lengths)}")
     ties = both[(both.bp_speedup < TIE) & (both.bp_speedup > 1 / TIE)]
     if len(ties):
         picked = ties[ties.family.isin(["bp", "csbp"])]
-        out.append(f"it ties the best no-BP plan within {(TIE - 1) * 100:.1f} % in {_cells(len(ties))}"
-                   + (f" (the planner still recommends BP in {len(picked)} of them, by less than the tie)"
-                      if len(picked) else ""))
+        recommended = ("" if picked.empty else " (the planner still recommends BP there, by less than the tie)"
+                       if len(picked) == len(ties) else
+                       f" (the planner still recommends BP in {len(picked)} of them, by less than the tie)")
+        out.append(f"it ties the best no-BP plan within {(TIE - 1) * 100:.1f} % at "
+                   f"{where(ties, counts, lengths)}{recommended}")
     loses = both[both.bp_speedup <= 1 / TIE]
     if len(loses):
         worst = loses.loc[loses.bp_speedup.idxmin()]
@@ -136,6 +138,28 @@ def _bp_worth(df: pd.DataFrame, counts: list[int], lengths: list[int]) -> list[s
     if len(no_bp):
         out.append(f"no BP plan fits at {where(no_bp, counts, lengths)}")
     return out
+
+
+def _per_gpu(cells: pd.DataFrame) -> pd.Series:
+    return cells.seq_len / cells.gpus
+
+
+def _border(df: pd.DataFrame) -> str:
+    """When BP's gains and its ties (or losses) part along one line of context per GPU, say where:
+    the quantity that decides whether attention hides the K/V traffic."""
+    both = df[df.bp_speedup.notna()]
+    gains = both[both.bp_speedup >= TIE]
+    rest = both[both.bp_speedup < TIE]
+    if gains.empty or rest.empty:
+        return ""
+    g, r = _per_gpu(gains), _per_gpu(rest)
+    if g.max() < r.min():
+        return (f"The border follows the context per GPU: BP gains where a GPU holds at most "
+                f"{fmt_tokens(int(g.max()))} tokens of context and not from {fmt_tokens(int(r.min()))} on.")
+    if r.max() < g.min():
+        return (f"The border follows the context per GPU: BP gains where a GPU holds at least "
+                f"{fmt_tokens(int(g.min()))} tokens of context and not below {fmt_tokens(int(r.max()))}.")
+    return ""
 
 
 def _nothing(df: pd.DataFrame, counts: list[int], lengths: list[int]) -> str:
@@ -157,6 +181,7 @@ def read_map(df: pd.DataFrame) -> str:
         text = [head, _crossovers(sub, counts)]
         if worth:
             text.append(worth[0][0].upper() + "; ".join(worth)[1:] + ".")
+        text.append(_border(sub))
         text.append(_nothing(sub, counts, lengths))
         out.append(" ".join(t for t in text if t))
     return "\n\n".join(out)

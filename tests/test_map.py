@@ -107,9 +107,19 @@ def test_reading_names_the_crossovers():
     assert "at 8 GPUs DP gives way to CSBP between 64K and 128K, then CSBP wins up to 256K, nothing fits from 512K" in text
     assert "at 16 GPUs DP gives way to CSBP between 128K and 256K" in text
     assert "most at 512K on 16 GPUs (1.40x, bp-plan)" in text
-    assert "ties the best no-BP plan within 0.5 % in 2 cells (the planner still recommends BP in 1 of them" in text
+    assert "ties the best no-BP plan within 0.5 % at 128K-256K on 16 GPUs (the planner still recommends BP in 1 of them" in text
     assert "it loses at 64K on 8-16 GPUs" in text
     assert "Nothing fits at 512K on 8 GPUs (memory)" in text
+
+
+def test_reading_finds_a_border_in_context_per_gpu():
+    rows = [{"model": "m", "hardware": "h", "seq_len": L * 1024, "context": f"{L}K", "gpus": g,
+             "feasible": True, "family": "csbp", "family_label": "CSBP", "best_bp_plan": "p",
+             "best_bp_tokens_per_s": 1.0, "best_no_bp_tokens_per_s": 1.0, "reason": None,
+             "bp_speedup": 1.03 if L // g <= 8 else 1.0}
+            for L in (64, 128, 256) for g in (8, 16, 32)]
+    assert ("BP gains where a GPU holds at most 8K tokens of context and not from 16K on"
+            in read_map(pd.DataFrame(rows)))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -57,8 +57,6 @@ def slug(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from csbp.simulator.decision_map import map_table  # pandas: slow import
     from csbp.simulator.grid import cells, search_cells, split_list
-    from csbp.simulator.map_plot import draw_map
-    from csbp.simulator.map_reading import read_map
     from csbp.simulator.presets import load_model
     from csbp.simulator.sweep import save_table
 
@@ -86,13 +84,11 @@ def run(args: argparse.Namespace) -> int:
                                axes=axes, jobs=jobs, on_done=done)
     seconds = time.perf_counter() - start
     df = map_table(answers, profile.name)
-    reading = read_map(df)
     stem = f"map-{slug(model_name)}-{slug(profile.name)}"
     files = save_table(df, out_dir, stem)
-    files.append(draw_map(df, out_dir / f"{stem}.png", f" on {profile.name}"))
-    reading_path = out_dir / f"{stem}.md"
-    reading_path.write_text(_reading_md(model_name, profile.name, what_if, reading, files, args) + "\n")
-    files.append(reading_path)
+    command = command_line(args.model, args.hardware, what_if.spec, args.seq_lens, args.gpus, args.engine)
+    reading, views = write_views(df, out_dir, stem, command, what_if.lines())
+    files += views
     log.print(f"mapped {len(grid)} cells in {seconds:.1f} s ({jobs} jobs)", highlight=False)
     if args.json:
         print_json({"model": model_name, "hardware": profile.name, "engine": args.engine,
@@ -110,13 +106,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reading_md(model: str, hardware: str, what_if, reading: str, files, args) -> str:
-    head = [f"# Decision map: {model} on {hardware}", "",
-            f"`csbp map --model {args.model} --hardware {args.hardware}"
-            + (f" --what-if {what_if.spec}" if what_if.changes else "")
-            + f" --seq-lens {args.seq_lens} --gpus {args.gpus} --engine {args.engine}`", ""]
-    head += [f"- {line}" for line in what_if.lines()] + ([""] if what_if.changes else [])
-    return "\n".join(head + [reading, "", f"![map]({files[-1].name})"])
+def command_line(model: str, hardware: str, what_if: str, seq_lens: str, gpus: str, engine: str) -> str:
+    return (f"csbp map --model {model} --hardware {hardware}" + (f" --what-if {what_if}" if what_if else "")
+            + f" --seq-lens {seq_lens} --gpus {gpus} --engine {engine}")
+
+
+def write_views(df: pd.DataFrame, out_dir: Path, stem: str, command: str,
+                what_if_lines: list[str]) -> tuple[str, list[Path]]:
+    """The heatmap and the reading (markdown) of a map table: what `csbp map` writes after its
+    search, and what `experiments/maps.py --redraw` writes again from a saved CSV."""
+    from csbp.simulator.map_plot import draw_map
+    from csbp.simulator.map_reading import read_map
+
+    model, hardware = df.model.iloc[0], df.hardware.iloc[0]
+    png = draw_map(df, out_dir / f"{stem}.png", f" on {hardware}")
+    reading = read_map(df)
+    lines = [f"# Decision map: {model} on {hardware}", "", f"`{command}`", ""]
+    lines += [f"- {line}" for line in what_if_lines] + ([""] if what_if_lines else [])
+    md = out_dir / f"{stem}.md"
+    md.write_text("\n".join(lines + [reading, "", f"![map]({png.name})"]) + "\n")
+    return reading, [png, md]
 
 
 def _grid_table(df: pd.DataFrame, model: str, hardware: str) -> Table:
