@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from csbp.simulator.graph import Comm, Compute, Group, Work
+from csbp.simulator.graph import ALSO_CLEARED, Comm, Compute, Group, Work
 from csbp.simulator.hardware import CollectiveOp, HardwareProfile, Link, interpolate
 
 US = 1e-6
@@ -156,6 +156,7 @@ def comm_seconds(work: Comm, profile: HardwareProfile) -> np.ndarray:
 # checkpointing or the K/V transport): priced works are kept, keyed by value and profile.
 _PRICED: dict[tuple[int, Work], tuple[HardwareProfile, np.ndarray]] = {}
 _PRICED_LIMIT = 200_000
+ALSO_CLEARED.append(_PRICED.clear)
 
 
 def seconds(work: Work, profile: HardwareProfile) -> np.ndarray:

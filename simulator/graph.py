@@ -30,7 +30,7 @@ from csbp.simulator.objective_layout import anchor_blocks, canvas_view
 from csbp.simulator.objectives import ObjectiveShape, objective_shape
 from csbp.simulator.pairs import QueryIntervals, pairs_with_keys  # noqa: F401 (pairs_with_keys: re-exported)
 from csbp.simulator.plan import Plan
-from csbp.simulator.spans import Span, intersect, normalize, size
+from csbp.simulator.spans import Span, normalize
 from csbp.simulator.spec import AttentionSpec, ModelSpec
 from csbp.simulator.workload import Workload
 
@@ -261,15 +261,12 @@ class _Builder:
         self.n = layout.size
         self.dt = workload.dtype_bytes
         self.tp = plan.tp
-        L, mb = workload.seq_len, workload.micro_batch
-        self.positions = self.derived("positions", lambda: np.array(
-            [s.n_positions for s in layout.shares], dtype=float))
+        mb = workload.micro_batch
+        self.positions = kv_rows.held(layout, "positions").astype(float)
         self.tokens = self.positions * mb
-        self.noisy = self.derived("noisy", lambda: np.array(
-            [size(intersect(s.positions, ((0, L),))) for s in layout.shares], dtype=float)) * mb
+        self.noisy = kv_rows.held(layout, "noisy").astype(float) * mb
         # drafters: target-feature tokens the rank turns into K/V (keys only, not queries)
-        self.context = self.derived("context", lambda: np.array(
-            [size(intersect(s.owned_kv, ((L, 2 * L),))) for s in layout.shares], dtype=float)) * mb \
+        self.context = kv_rows.held(layout, "context").astype(float) * mb \
             if self.obj.context_as_kv else np.zeros(self.n)
         self.ops: list[Op] = [] if ops is None else ops  # a sub-pass appends to its parent's ops
         self.notes: list[str] = [] if notes is None else notes
@@ -892,11 +889,17 @@ def _canvas_pairs(seq_len: int, block: int, window: int | None) -> int:
     return QueryIntervals(((0, seq_len),), seq_len, block, window).total()  # = mask.pairs
 
 
+# what other modules keep between graphs (prices, recent graphs), forgotten with the rest
+ALSO_CLEARED: list = []
+
+
 def clear_caches() -> None:
     """Forget what earlier graphs cached, layouts included (a benchmark measuring a cold start)."""
     clear_layout_caches()
     for cached in (_placed_group, _sequence_pairs, _canvas_pairs):
         cached.cache_clear()
+    for clear in ALSO_CLEARED:
+        clear()
 
 
 def _anchor_tokens(w: Workload) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from csbp.simulator.layout import Layout, Payload, Phase
-from csbp.simulator.spans import normalize, size, subtract
+from csbp.simulator.spans import Span, normalize, size, subtract
 from csbp.simulator.spec import AttentionSpec
 
 PHASES: tuple[Phase, ...] = ("forward", "recompute", "backward")
@@ -111,6 +111,24 @@ def packed_rows(layout: Layout, a: AttentionSpec) -> np.ndarray:
             out[g] = own[g] if len(g) > 1 else 0
         return out
     return np.zeros(layout.size, dtype=np.int64)
+
+
+def held(layout: Layout, what: str) -> np.ndarray:
+    """Positions ("positions"), noisy positions ("noisy") or clean K/V rows it owns ("context")
+    of each rank: counts the graph and the memory model both read, once per ownership."""
+    key = ("held", what)
+    if key not in layout.derived:
+        L = layout.seq_len
+        count = {"positions": lambda s: s.n_positions,
+                 "noisy": lambda s: _inside(s.positions, 0, L),
+                 "context": lambda s: _inside(s.owned_kv, L, 2 * L)}[what]
+        layout.derived[key] = np.array([count(s) for s in layout.shares], dtype=np.int64)
+    return layout.derived[key]
+
+
+def _inside(spans: tuple[Span, ...], lo: int, hi: int) -> int:
+    """Positions of `spans` (sorted, disjoint, as a layout keeps them) inside [lo, hi)."""
+    return sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
 
 
 def owned_rows(layout: Layout) -> np.ndarray:

@@ -21,7 +21,6 @@ from csbp.simulator.layout import Layout, kv_row_bytes
 from csbp.simulator.objectives import objective_shape
 from csbp.simulator.plan import Plan
 from csbp.simulator.result import GIB
-from csbp.simulator.spans import Span
 from csbp.simulator.spec import AttentionSpec, ModelSpec
 from csbp.simulator.workload import Workload
 
@@ -192,26 +191,9 @@ def dense_score_bytes(layout: Layout, a: AttentionSpec, rank: int, micro_batch: 
 
 def _dense_score_bytes(layout: Layout, a: AttentionSpec, micro_batch: int, dtype_bytes: int,
                        tp: int, copies: float) -> np.ndarray:
-    positions = _per_rank(layout, "positions")
+    positions = kv_rows.held(layout, "positions")
     keys = positions + kv_rows.held_at_once(layout, a)
     return copies * micro_batch * positions * keys * a.n_heads / tp * dtype_bytes
-
-
-def _per_rank(layout: Layout, what: str) -> np.ndarray:
-    """Positions, noisy positions or clean K/V rows each rank holds (once per ownership)."""
-    key = ("memory", what)
-    if key not in layout.derived:
-        L = layout.seq_len
-        count = {"positions": lambda s: s.n_positions,
-                 "noisy": lambda s: _inside(s.positions, 0, L),
-                 "context": lambda s: _inside(s.owned_kv, L, 2 * L)}[what]
-        layout.derived[key] = np.array([count(s) for s in layout.shares], dtype=np.int64)
-    return layout.derived[key]
-
-
-def _inside(spans: tuple[Span, ...], lo: int, hi: int) -> int:
-    """Positions of `spans` (sorted, disjoint, as a layout keeps them) inside [lo, hi)."""
-    return sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
 
 
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -222,8 +204,8 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
     full_ckpt = workload.checkpointing == "full"
     kinds = _model_sizes(model)["kinds"]  # identical layers hold identical buffers
     obj = objective_shape(workload, model)
-    tokens = _per_rank(layout, "positions") * mb
-    noisy = _per_rank(layout, "noisy") * mb
+    tokens = kv_rows.held(layout, "positions") * mb
+    noisy = kv_rows.held(layout, "noisy") * mb
     saved = {a: tokens * saved_bytes_per_token(model, a, dt, tp) for a in kinds}
     kv = {a: kv_buffer_rows_all(layout, a) * mb * kv_row_bytes(a, dt, tp) for a in kinds}
     hidden = tokens * model.hidden * dt / tp  # one hidden-state tensor, SP-sharded
@@ -237,7 +219,7 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
         activations = sum(n * saved[a] for a, n in kinds.items()) + 2 * hidden
         kv_buffers = sum(n * kv[a] for a, n in kinds.items()) + functools.reduce(np.maximum, kv.values())
     if obj.context_as_kv:
-        context = _per_rank(layout, "context") * mb
+        context = kv_rows.held(layout, "context") * mb
         activations = activations + context_bytes(model, kinds, context, dt, tp, keep_kv=not full_ckpt)
     logits = {n: loss_bytes(model, n, obj.vocab_block, dt, tp) for n in set(noisy.tolist())}
     parts = {**weights, "activations": activations, "kv_buffers": kv_buffers,

@@ -28,7 +28,7 @@ from functools import partial
 from itertools import product
 from typing import get_args
 
-from csbp.simulator.bounds import quick_bound_key, step_time_lower_bound
+from csbp.simulator.bounds import keys_at_home_is_cheapest, quick_bound_key, step_time_lower_bound
 from csbp.simulator.errors import InputError
 from csbp.simulator.hardware import HardwareProfile
 from csbp.simulator.layout import Layout
@@ -274,6 +274,28 @@ def simulate_all(model: ModelSpec, cands: list[Candidate], profile: HardwareProf
         return list(pool.map(job, cands))  # one at a time: candidate costs differ by 30x
 
 
+def _quick_bound(model: ModelSpec, profile: HardwareProfile, key: tuple) -> float:
+    plan, workload = key
+    return step_time_lower_bound(model, workload, plan, profile, keys_at_home=True)
+
+
+def in_chunks(job, items: list, workers: int) -> list:
+    """[job(x) for x in items], split in `workers` consecutive chunks over forked processes.
+
+    Consecutive items share what a worker caches (neighbours in the list own the same
+    positions), and a chunk costs one round trip; a few items are not worth a process."""
+    if workers < 2 or len(items) < 16 * workers or "fork" not in mp.get_all_start_methods():
+        return [job(x) for x in items]
+    size = -(-len(items) // workers)
+    chunks = [items[i:i + size] for i in range(0, len(items), size)]
+    with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("fork")) as pool:
+        return [y for part in pool.map(partial(_all, job), chunks) for y in part]
+
+
+def _all(job, items: list) -> list:
+    return [job(x) for x in items]
+
+
 def cluster_gpus(profile: HardwareProfile, nodes: int) -> int:
     if nodes < 1:
         raise InputError(f"impossible cluster: {nodes} nodes (need at least 1)")
@@ -317,7 +339,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
         scored = len(fitting)
     else:
         screened, scored = screen_pruned(model, fitting, profile, engine, keep, des_top,
-                                         lambda cands: evaluate(cands, "closed-form"))
+                                         lambda cands: evaluate(cands, "closed-form"), workers)
     evaluations = scored
     ranked = [r for _, r in screened]
     picks: list[int] = []
@@ -341,7 +363,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
 
 
 def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareProfile, engine: str,
-                  keep: int, des_top: int, evaluate) -> tuple[list[tuple[Candidate, Result]], int]:
+                  keep: int, des_top: int, evaluate, workers: int = 1) -> tuple[list[tuple[Candidate, Result]], int]:
     """(screened candidates with their closed-form results, best first; how many were simulated).
 
     What the reported ranking reads from the screen: its first `keep + picks` entries (the
@@ -354,13 +376,15 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     matters, the rest are pruned. Ties in rank_key keep the enumeration order, as the
     exhaustive sort does.
     """
-    quick: dict[tuple, float] = {}
-    cap, tight = [], [False] * len(fitting)
+    # the quick bound is already the plan's own graph where no K/V moves (or no keys are moved
+    # home because the profile does not allow it): nothing to tighten there
+    cheapest = keys_at_home_is_cheapest(profile)
+    cap, tight = [], [not cheapest or c.plan.cp == 1 for c in fitting]
     tokens = [c.workload.seq_len * c.workload.micro_batch * c.plan.sequences for c in fitting]
-    for cand, n in zip(fitting, tokens):
-        key = quick_bound_key(cand.plan, cand.workload, profile)
-        if key not in quick:
-            quick[key] = step_time_lower_bound(model, cand.workload, cand.plan, profile, keys_at_home=True)
+    keys = [quick_bound_key(c.plan, c.workload, profile) for c in fitting]
+    unique = sorted(set(keys), key=lambda k: (k[0].cp, k[0].bp, k[0].schedule, repr(k)))  # by ownership
+    quick = dict(zip(unique, in_chunks(partial(_quick_bound, model, profile), unique, workers)))
+    for key, n in zip(keys, tokens):
         cap.append(n / quick[key] if quick[key] > 0 else math.inf)
     # candidates in the same groups share their thresholds: one heap of caps per set of groups
     heaps: dict[tuple[str, ...], list[tuple[float, int]]] = {}

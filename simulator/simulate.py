@@ -7,11 +7,13 @@ memory it needs and the step time the closed form estimates.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from csbp.simulator.engine import ENGINES, simulate_graph, summarize
 from csbp.simulator.errors import InputError
-from csbp.simulator.graph import StepGraph
+from csbp.simulator.graph import ALSO_CLEARED, StepGraph
 from csbp.simulator.hardware import HardwareProfile
 from csbp.simulator import kv_rows
 from csbp.simulator.layout import Layout, kv_row_bytes
@@ -29,6 +31,29 @@ ASSUMPTIONS = (
 )
 
 
+_GRAPHS: OrderedDict[tuple, tuple[ModelSpec, StepGraph]] = OrderedDict()
+_GRAPHS_KEPT = 32  # the planner re-runs its best screened plans with the event engine
+_GRAPH_OPS_KEPT = 400_000  # ... but a long ring's graph holds 100k ops: bound the memory
+ALSO_CLEARED.append(_GRAPHS.clear)
+
+
+def _step_graph(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout, gpus_per_node: int,
+                one_bucket: bool) -> StepGraph:
+    """The step graph, kept for the last few plans: engines only read a graph, so a plan
+    simulated again with another engine does not rebuild it."""
+    key = (id(model), workload, plan, gpus_per_node, one_bucket)
+    hit = _GRAPHS.get(key)
+    if hit is not None and hit[0] is model:
+        _GRAPHS.move_to_end(key)
+        return hit[1]
+    graph = StepGraph.build(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket)
+    _GRAPHS[key] = (model, graph)
+    while len(_GRAPHS) > 1 and (len(_GRAPHS) > _GRAPHS_KEPT or
+                                sum(len(g.ops) for _, g in _GRAPHS.values()) > _GRAPH_OPS_KEPT):
+        _GRAPHS.popitem(last=False)
+    return graph
+
+
 def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
              nodes: int, engine: str = "des", overlap: bool = True, with_trace: bool = True) -> Result:
     """One step of `plan` on `nodes` nodes of `profile`; `with_trace=False` skips the timeline
@@ -40,8 +65,7 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     gpus = nodes * profile.node.gpus_per_node
     plan.check_against(model, workload, world=gpus)
     layout = Layout.build(workload, plan)
-    graph = StepGraph.build(model, workload, plan, layout, profile.node.gpus_per_node,
-                            one_bucket=not overlap)
+    graph = _step_graph(model, workload, plan, layout, profile.node.gpus_per_node, not overlap)
     memory = estimate_memory(model, workload, plan, layout, profile)
     notes = list(ASSUMPTIONS) + list(graph.notes)
     used = engine if memory.feasible else "closed-form"

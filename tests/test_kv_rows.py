@@ -32,13 +32,13 @@ def test_rows_received_equal_the_exchanges(lay, a, ckpt):
         assert kv_rows.pattern(lay, a, phase) == lay.exchange(a, phase).pattern
         assert kv_rows.received(lay, a, phase).tolist() == from_exchange(lay, a, phase)
         ex = lay.exchange(a, phase)
-        for step, st in enumerate(ex.steps):
+        for step, moves in enumerate(ex.steps):
             for payload in (None, "kv", "dkv"):
-                want = [sum(t.n_rows for t in st.transfers if t.dst == r and payload in (None, t.payload))
+                want = [sum(t.n_rows for t in moves.transfers if t.dst == r and payload in (None, t.payload))
                         for r in range(lay.size)]
                 assert kv_rows.step_received(lay, a, phase, step, payload).tolist() == want
             if ex.pattern == "ring":
-                senders = {t.dst: t.src for t in st.transfers}
+                senders = {t.dst: t.src for t in moves.transfers}
                 assert kv_rows.ring_senders(lay) == tuple(senders.get(r, r) for r in range(lay.size))
     ex = lay.exchange(a, "forward")
     per_step = [[sum(t.n_rows for t in s.transfers if t.dst == r) for s in ex.steps] for r in range(lay.size)]

@@ -1,0 +1,72 @@
+"""The planner's lower bounds never exceed a step either engine computes, so pruning by them
+never drops a candidate that could rank (the reasons are in simulator/bounds.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from csbp.simulator.bounds import keys_at_home_is_cheapest, one_layer_per_kind, step_time_lower_bound
+from csbp.simulator.hardware import load_profile
+from csbp.simulator.objectives import default_objective
+from csbp.simulator.plan import Plan
+from csbp.simulator.planner import enumerate_space, memory_misfit, search
+from csbp.simulator.presets import load_model
+from csbp.simulator.simulate import simulate
+from csbp.simulator.workload import Workload
+
+K = 1024
+
+# (model, seq_len, nodes, hardware, every how many fitting candidates to check)
+JOBS = [
+    ("nemotron-diffusion-8b", 64 * K, 2, "h200", 3),
+    ("diffusiongemma-26b-a4b", 64 * K, 1, "h200", 2),  # MoE, sliding-window layers, self-conditioning
+    ("qwen3.5-27b", 32 * K, 1, "h100", 1),  # linear attention, two views
+    ("dflash2-qwen3.8-27b", 32 * K, 1, "h200", 4),  # drafter: anchors, context as K/V
+    ("tiny", 4 * K, 1, "cpu-measured", 2),  # dense CPU attention: the real split is kept
+]
+
+
+@pytest.mark.parametrize("name, seq_len, nodes, hardware, every", JOBS, ids=[j[0] for j in JOBS])
+def test_bounds_are_below_both_engines(name, seq_len, nodes, hardware, every):
+    model, profile = load_model(name), load_profile(hardware)
+    if hardware == "cpu-measured":
+        profile = profile.on_one_host(8)
+    workload = Workload(seq_len=seq_len, block_size=64 if name == "tiny" else 256,
+                        objective=default_objective(model))
+    space = enumerate_space(model, workload, nodes * profile.node.gpus_per_node)
+    fitting = [c for c in space.candidates if memory_misfit(model, c, profile) is None]
+    assert fitting
+    for cand in fitting[::every]:
+        quick = step_time_lower_bound(model, cand.workload, cand.plan, profile, keys_at_home=True)
+        tight = step_time_lower_bound(model, cand.workload, cand.plan, profile)
+        closed = simulate(model, cand.workload, cand.plan, profile, nodes, engine="closed-form",
+                          with_trace=False).step_time_s
+        assert 0 < quick <= closed and 0 < tight <= closed, cand.label
+        if cand.plan.bp > 1 and cand.plan.cp > 1 and name == "nemotron-diffusion-8b":
+            des = simulate(model, cand.workload, cand.plan, profile, nodes, engine="des",
+                           with_trace=False).step_time_s
+            assert tight <= closed <= des, cand.label
+
+
+def test_bounds_are_tight_where_compute_dominates():
+    """At 256K the dense 8B model is compute-bound: the bound is within a few percent."""
+    model, profile = load_model("nemotron-diffusion-8b"), load_profile("h200")
+    workload = Workload(seq_len=256 * K)
+    for plan in (Plan(dp=2, cp=8, bp=8), Plan(dp=4, cp=4), Plan(dp=2, cp=8, transport="ring")):
+        step = simulate(model, workload, plan, profile, 2, engine="closed-form", with_trace=False).step_time_s
+        assert 0.95 * step <= step_time_lower_bound(model, workload, plan, profile) <= step
+
+
+def test_keys_at_home_only_where_efficiency_never_falls():
+    assert keys_at_home_is_cheapest(load_profile("h200"))
+    assert not keys_at_home_is_cheapest(load_profile("cpu-measured"))  # dense attention on CPU
+    reduced, counts = one_layer_per_kind(load_model("diffusiongemma-26b-a4b"))
+    assert len(reduced.layers) == len(counts) == 2 and sum(counts) == load_model("diffusiongemma-26b-a4b").n_layers
+
+
+def test_parallel_bounds_give_the_same_search():
+    model, profile = load_model("nemotron-diffusion-8b"), load_profile("h200")
+    workload = Workload(seq_len=256 * K)
+    one, two = (search(model, workload, profile, 2, keep=10, workers=w) for w in (1, 2))
+    assert [r.to_json() for r in one.ranked] == [r.to_json() for r in two.ranked]
+    assert (one.pruned, one.screened, one.rescored) == (two.pruned, two.screened, two.rescored)
