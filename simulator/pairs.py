@@ -10,6 +10,8 @@ what made a large ring's split cost ranks^2 passes. Integer arithmetic: the coun
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from csbp.simulator import mask
@@ -61,12 +63,20 @@ class QueryIntervals:
         return starts.ramp(x) - stops.ramp(x)
 
     def pairs_with(self, keys: tuple[Span, ...]) -> int:
-        """Pairs whose key lies in `keys`."""
+        """Pairs whose key lies in `keys`: each query interval [a, z) holds K(z) - K(a) of them,
+        K(x) the keys below x (one key set: no need to sort the queries' intervals)."""
         keys = normalize(keys)
-        if not keys:
+        if not keys or self.weight.size == 0:
             return 0
-        s, e = np.array(keys, dtype=np.int64).T
-        return int((self.below(e) - self.below(s)).sum())
+        starts, stops = np.array(keys, dtype=np.int64).T
+        before = np.concatenate([[0], np.cumsum(stops - starts)])
+
+        def keys_below(x: np.ndarray) -> np.ndarray:
+            k = np.searchsorted(starts, x, side="right")  # spans starting at or before x
+            last = np.maximum(k - 1, 0)
+            return np.where(k > 0, before[last] + np.minimum(x - starts[last], stops[last] - starts[last]), 0)
+
+        return int(sum(((keys_below(z) - keys_below(a)) * self.weight).sum() for a, z in self.intervals))
 
     def pairs_with_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
         """Pairs with each of several key sets (each a tuple of disjoint spans), in one pass."""
@@ -100,9 +110,10 @@ def totals(layout: Layout, window: int | None = None) -> np.ndarray:
     rank's pairs are its positions in each block times that block's count: one pass over every
     rank's spans cut at block edges.
     """
-    if window is not None:
-        return np.array([QueryIntervals.of(layout, r, window).total() for r in range(layout.size)],
-                        dtype=np.int64)
+    if window is not None:  # each query's count depends on its position only: sum a prefix
+        below = _window_prefix(layout.seq_len, layout.block, window)
+        return np.array([sum(int(below[e] - below[s]) for s, e in share.positions)
+                         for share in layout.shares], dtype=np.int64)
     L, b = layout.seq_len, layout.block
     spans = [(r, s, e) for r, share in enumerate(layout.shares) for s, e in share.positions]
     out = np.zeros(layout.size, dtype=np.int64)
@@ -117,6 +128,13 @@ def totals(layout: Layout, window: int | None = None) -> np.ndarray:
     seen = mask.visible_counts(np.arange(0, 2 * L, b, dtype=np.int64), L, b)
     np.add.at(out, rank[which], held * seen[ids])
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _window_prefix(seq_len: int, block: int, window: int) -> np.ndarray:
+    """Keys seen by the queries at positions < p, for every p of the 2L sequence."""
+    counts = mask.visible_counts(np.arange(2 * seq_len, dtype=np.int64), seq_len, block, window)
+    return np.concatenate([[0], np.cumsum(counts)])
 
 
 def _touched_blocks(spans: tuple[Span, ...], block: int) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from csbp.simulator import kv_rows, mask
+from csbp.simulator import kv_rows, mask, pairs
 from csbp.simulator.layout import Layout
 from csbp.simulator.objective_layout import AnchorLayout
 from csbp.simulator.pairs import QueryIntervals
@@ -76,4 +76,4 @@ def test_pairs_with_each_shard_count_the_mask(lay, window):
             for s, e in shard:
                 inside[s:e] = True
             assert each[j] == q.pairs_with(shard) == int(vis[:, inside].sum())
-        assert q.total() == int(vis.sum())
+        assert q.total() == int(vis.sum()) == pairs.totals(lay, window)[r]
