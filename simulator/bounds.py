@@ -29,6 +29,11 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    transfers (tighter, as it sees K/V waits; more ops for a long ring).
 4. Floating point: sums are taken in another order than the engines', so the bound is lowered
    by a relative 1e-12, far above the rounding of a few thousand additions.
+5. Checkpointing only adds a recompute pass: the forward and backward layers, the edges and
+   the optimizer are the same ops either way (a layer's K/V exchange in the backward does not
+   depend on it), so the bound without checkpointing is the one with it, less the recompute
+   segments; one graph gives both (`tests/test_bounds.py` holds them equal to a graph built
+   without checkpointing).
 """
 
 from __future__ import annotations
@@ -62,24 +67,41 @@ def keys_at_home_is_cheapest(profile: HardwareProfile) -> bool:
 
 
 def busy_per_rank(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
-                  keys_at_home: bool = False) -> np.ndarray:
+                  keys_at_home: bool = False) -> dict[str, np.ndarray]:
     """Per representative rank, a lower bound on how long its compute stream is busy or forced
-    to wait (reasons 1-3 of the module docstring)."""
-    layout = Layout.build(workload, plan)
+    to wait (reasons 1-3 of the module docstring), with full checkpointing and without.
+
+    Both come from one graph built with checkpointing: without it a step runs the same
+    segments but the recompute pass (reason 5), so its sum leaves those segments out.
+    """
+    workload = workload.model_copy(update={"checkpointing": "full"})
     reduced, counts = one_layer_per_kind(model)
-    graph = StepGraph.build(reduced, workload, plan, layout, profile.node.gpus_per_node,
+    graph = StepGraph.build(reduced, workload, plan, Layout.build(workload, plan),
+                            profile.node.gpus_per_node,
                             keys_at_home=keys_at_home and keys_at_home_is_cheapest(profile))
-    d = durations(graph, profile)
+    return segment_sums(graph, counts, durations(graph, profile))
+
+
+def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str, np.ndarray]:
+    """Per rank, the sum over the compute stream's segments of how long each lasts at least
+    (reason 1), layers weighted by the layers of their kind (`counts`, reason 2); "none" leaves
+    the recompute segments out."""
     n = graph.ranks
     never = np.full(n, -np.inf)  # ready before the segment: no wait to count
-    total = np.zeros(n)
-    segment, finish, clock, computes, weight = None, {}, np.zeros(n), False, 1.0
+    total = {"full": np.zeros(n), "none": np.zeros(n)}
+
+    def close(segment, clock):
+        weight = 1.0 if segment[0] is None else float(counts[segment[0]])
+        total["full"] += weight * clock
+        if segment[1] != "recompute":
+            total["none"] += weight * clock
+
+    segment, finish, clock, computes = None, {}, np.zeros(n), False
     for op, took in zip(graph.ops, d):
         if (op.layer, op.phase) != segment:
             if computes:
-                total += weight * clock
+                close(segment, clock)
             segment, finish, clock, computes = (op.layer, op.phase), {}, np.zeros(n), False
-            weight = 1.0 if op.layer is None else float(counts[op.layer])
         ready = never
         for j in op.deps:
             if j in finish:
@@ -91,20 +113,27 @@ def busy_per_rank(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
             finish[op.index] = clock
             computes = True
     if computes:
-        total += weight * clock
+        close(segment, clock)
     return total
+
+
+def lower_bounds(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
+                 keys_at_home: bool = False) -> dict[str, float]:
+    """Seconds no engine's step can undercut, with checkpointing "full" and "none" (see the
+    module docstring for why); `workload.checkpointing` does not matter."""
+    return {ckpt: float(busy.max()) * (1 - ROUNDING_MARGIN) if busy.size else 0.0
+            for ckpt, busy in busy_per_rank(model, workload, plan, profile, keys_at_home).items()}
 
 
 def step_time_lower_bound(model: ModelSpec, workload: Workload, plan: Plan,
                           profile: HardwareProfile, keys_at_home: bool = False) -> float:
-    """Seconds no engine's step can undercut (see the module docstring for why)."""
-    busy = busy_per_rank(model, workload, plan, profile, keys_at_home)
-    return float(busy.max()) * (1 - ROUNDING_MARGIN) if busy.size else 0.0
+    """Seconds no engine's step of this plan and workload can undercut."""
+    return lower_bounds(model, workload, plan, profile, keys_at_home)[workload.checkpointing]
 
 
-def quick_bound_key(plan: Plan, workload: Workload, profile: HardwareProfile) -> tuple:
-    """Candidates with equal keys have equal quick bounds (`keys_at_home=True`): the transport
-    only matters where the real split is kept (reason 3)."""
-    if keys_at_home_is_cheapest(profile):
+def bound_key(plan: Plan, workload: Workload, profile: HardwareProfile, keys_at_home: bool) -> tuple:
+    """Candidates with equal keys share `lower_bounds`: checkpointing never changes them, the
+    transport not where keys are at home (reason 3)."""
+    if keys_at_home and keys_at_home_is_cheapest(profile):
         plan = plan.model_copy(update={"transport": "collective"})
-    return plan, workload
+    return plan, workload.model_copy(update={"checkpointing": "full"}), keys_at_home

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import heapq
 import math
-import multiprocessing as mp
-import os
 import re
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import product
 from typing import get_args
 
-from csbp.simulator.bounds import keys_at_home_is_cheapest, quick_bound_key, step_time_lower_bound
+from csbp.simulator.bounds import bound_key, keys_at_home_is_cheapest, lower_bounds
 from csbp.simulator.errors import InputError
 from csbp.simulator.hardware import HardwareProfile
 from csbp.simulator.layout import Layout
@@ -37,6 +34,7 @@ from csbp.simulator.plan import AXES, Plan, Schedule, Transport, one_line
 from csbp.simulator.result import Result
 from csbp.simulator.simulate import simulate
 from csbp.simulator.spec import ModelSpec
+from csbp.simulator.workers import Workers, available_cores  # noqa: F401 (re-exported)
 from csbp.simulator.workload import Checkpointing, Workload
 
 FAMILIES = ("dp", "cp", "bp", "csbp")  # how plots and tables group plans (single GPU counts as dp)
@@ -250,10 +248,6 @@ def memory_misfit(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -
     return estimate_memory(model, cand.workload, cand.plan, layout, profile).reason
 
 
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _simulate_one(model: ModelSpec, profile: HardwareProfile, nodes: int, engine: str,
                   cand: Candidate) -> Result:
     # the planner ranks; timelines are for `csbp simulate --trace`
@@ -261,39 +255,23 @@ def _simulate_one(model: ModelSpec, profile: HardwareProfile, nodes: int, engine
 
 
 def simulate_all(model: ModelSpec, cands: list[Candidate], profile: HardwareProfile, nodes: int,
-                 engine: str, workers: int) -> list[Result]:
-    """Every candidate simulated, in order; over `workers` processes where the OS can fork.
-
-    Candidates are independent, so a search scales with cores. Fork (not spawn) because workers
-    then share the already-imported simulator and start in milliseconds.
-    """
+                 engine: str, workers: int | Workers) -> list[Result]:
+    """Every candidate simulated, in order; over `workers` processes where the OS can fork."""
     job = partial(_simulate_one, model, profile, nodes, engine)
-    if workers < 2 or len(cands) < 2 or "fork" not in mp.get_all_start_methods():
-        return [job(c) for c in cands]
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
-        return list(pool.map(job, cands))  # one at a time: candidate costs differ by 30x
+    if isinstance(workers, Workers):
+        return workers.map(job, cands)
+    with Workers(workers) as pool:
+        return pool.map(job, cands)
 
 
-def _quick_bound(model: ModelSpec, profile: HardwareProfile, key: tuple) -> float:
-    plan, workload = key
-    return step_time_lower_bound(model, workload, plan, profile, keys_at_home=True)
+def _lower_bounds(model: ModelSpec, profile: HardwareProfile, key: tuple) -> dict[str, float]:
+    plan, workload, keys_at_home = key
+    return lower_bounds(model, workload, plan, profile, keys_at_home)
 
 
-def in_chunks(job, items: list, workers: int) -> list:
-    """[job(x) for x in items], split in `workers` consecutive chunks over forked processes.
-
-    Consecutive items share what a worker caches (neighbours in the list own the same
-    positions), and a chunk costs one round trip; a few items are not worth a process."""
-    if workers < 2 or len(items) < 16 * workers or "fork" not in mp.get_all_start_methods():
-        return [job(x) for x in items]
-    size = -(-len(items) // workers)
-    chunks = [items[i:i + size] for i in range(0, len(items), size)]
-    with ProcessPoolExecutor(len(chunks), mp_context=mp.get_context("fork")) as pool:
-        return [y for part in pool.map(partial(_all, job), chunks) for y in part]
-
-
-def _all(job, items: list) -> list:
-    return [job(x) for x in items]
+def _cap(tokens: int, bound: float) -> float:
+    """Tokens/s a candidate cannot exceed: its tokens per step over its step's lower bound."""
+    return tokens / bound if bound > 0 else math.inf
 
 
 def cluster_gpus(profile: HardwareProfile, nodes: int) -> int:
@@ -318,7 +296,14 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
     space = enumerate_space(model, workload, gpus, checkpointing, axes)
-    workers = workers or available_cores()
+    with Workers(workers) as pool:
+        found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool)
+    found.seconds = time.perf_counter() - start
+    return found
+
+
+def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, space: Space,
+            engine: str, des_top: int, keep: int | None, pool: Workers) -> Search:
     fitting = []
     for cand in space.candidates:
         reason = memory_misfit(model, cand, profile)
@@ -328,7 +313,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
             fitting.append(cand)
 
     def evaluate(cands: list[Candidate], eng: str) -> Iterator[tuple[Candidate, Result]]:
-        for cand, result in zip(cands, simulate_all(model, cands, profile, nodes, eng, workers)):
+        for cand, result in zip(cands, simulate_all(model, cands, profile, nodes, eng, pool)):
             if result.feasible:
                 yield cand, result
             else:
@@ -339,7 +324,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
         scored = len(fitting)
     else:
         screened, scored = screen_pruned(model, fitting, profile, engine, keep, des_top,
-                                         lambda cands: evaluate(cands, "closed-form"), workers)
+                                         lambda cands: evaluate(cands, "closed-form"), pool)
     evaluations = scored
     ranked = [r for _, r in screened]
     picks: list[int] = []
@@ -355,15 +340,16 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
         summary = "; ".join(f"{g.reason} ({len(g.plans)})" for g in infeasible[:3])
         if infeasible:
             summary += f"; e.g. {infeasible[0].example}"
+        gpus = nodes * profile.node.gpus_per_node
         raise InputError(f"nothing feasible for {model.name} at {fmt_tokens(workload.seq_len)} on "
                          f"{gpus} GPUs ({len(space.candidates)} candidates): {summary}")
     return Search(model, workload, profile, nodes, ranked, infeasible, len(space.candidates), evaluations,
-                  time.perf_counter() - start, engine, feasible=len(fitting),
+                  0.0, engine, feasible=len(fitting),
                   pruned=len(fitting) - scored, screened=scored, rescored=len(picks))
 
 
 def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareProfile, engine: str,
-                  keep: int, des_top: int, evaluate, workers: int = 1) -> tuple[list[tuple[Candidate, Result]], int]:
+                  keep: int, des_top: int, evaluate, pool: Workers) -> tuple[list[tuple[Candidate, Result]], int]:
     """(screened candidates with their closed-form results, best first; how many were simulated).
 
     What the reported ranking reads from the screen: its first `keep + picks` entries (the
@@ -381,11 +367,11 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     cheapest = keys_at_home_is_cheapest(profile)
     cap, tight = [], [not cheapest or c.plan.cp == 1 for c in fitting]
     tokens = [c.workload.seq_len * c.workload.micro_batch * c.plan.sequences for c in fitting]
-    keys = [quick_bound_key(c.plan, c.workload, profile) for c in fitting]
+    keys = [bound_key(c.plan, c.workload, profile, keys_at_home=True) for c in fitting]
     unique = sorted(set(keys), key=lambda k: (k[0].cp, k[0].bp, k[0].schedule, repr(k)))  # by ownership
-    quick = dict(zip(unique, in_chunks(partial(_quick_bound, model, profile), unique, workers)))
-    for key, n in zip(keys, tokens):
-        cap.append(n / quick[key] if quick[key] > 0 else math.inf)
+    bounds = dict(zip(unique, pool.chunks(partial(_lower_bounds, model, profile), unique)))
+    for key, cand, n in zip(keys, fitting, tokens):
+        cap.append(_cap(n, bounds[key][cand.workload.checkpointing]))
     # candidates in the same groups share their thresholds: one heap of caps per set of groups
     heaps: dict[tuple[str, ...], list[tuple[float, int]]] = {}
     for i, cand in enumerate(fitting):
@@ -394,27 +380,44 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         heapq.heapify(heap)
     done: set[int] = set()
     scored: list[tuple[int, Candidate, Result]] = []
-    while True:
-        scored.sort(key=lambda icr: (rank_key(icr[2]), icr[0]))
-        floors = _floors(scored, keep, des_top, engine)
-        best = None  # the best cap known now among candidates that still matter
+
+    def best(floors: dict[str, float], besides: int | None = None) -> int | None:
+        """The candidate with the best cap known now among those that still matter."""
+        found = None
         for groups, heap in heaps.items():
             while heap and (heap[0][1] in done or -heap[0][0] != cap[heap[0][1]]):
                 heapq.heappop(heap)  # simulated, or its cap has been tightened since
+            aside = [heapq.heappop(heap)] if heap and heap[0][1] == besides else []
+            while heap and (heap[0][1] in done or -heap[0][0] != cap[heap[0][1]]):
+                heapq.heappop(heap)
             if heap and -heap[0][0] >= min(floors.get(g, 0.0) for g in groups) * (1 - PRUNE_TOLERANCE):
-                if best is None or (-heap[0][0], -heap[0][1]) > (cap[best], -best):
-                    best = heap[0][1]
-        if best is None:
+                if found is None or (-heap[0][0], -heap[0][1]) > (cap[found], -found):
+                    found = heap[0][1]
+            for entry in aside:
+                heapq.heappush(heap, entry)
+        return found
+
+    while True:
+        scored.sort(key=lambda icr: (rank_key(icr[2]), icr[0]))
+        floors = _floors(scored, keep, des_top, engine)
+        first = best(floors)
+        if first is None:
             return [(c, r) for _, c, r in scored], len(done)
-        cand = fitting[best]
-        if not tight[best]:
-            tight[best] = True
-            bound = step_time_lower_bound(model, cand.workload, cand.plan, profile)
-            cap[best] = min(cap[best], tokens[best] / bound if bound > 0 else math.inf)
-            heapq.heappush(heaps[_groups(cand.plan)], (-cap[best], best))
+        second = best(floors, besides=first)  # simulated beside the first (two cores), whatever
+        batch = [i for i in (first, second) if i is not None]  # the number of workers
+        loose = next((i for i in batch if not tight[i]), None)
+        if loose is not None:
+            tight[loose] = True
+            cand = fitting[loose]
+            key = bound_key(cand.plan, cand.workload, profile, keys_at_home=False)
+            if key not in bounds:
+                bounds[key] = _lower_bounds(model, profile, key)
+            cap[loose] = min(cap[loose], _cap(tokens[loose], bounds[key][cand.workload.checkpointing]))
+            heapq.heappush(heaps[_groups(cand.plan)], (-cap[loose], loose))
             continue
-        done.add(best)
-        scored += [(best, c, r) for c, r in evaluate([cand])]
+        done.update(batch)
+        chosen = {id(fitting[i]): i for i in batch}
+        scored += [(chosen[id(c)], c, r) for c, r in evaluate([fitting[i] for i in batch])]
 
 
 def _groups(plan: Plan) -> tuple[str, ...]:
@@ -425,12 +428,15 @@ def _groups(plan: Plan) -> tuple[str, ...]:
 def _floors(scored: list[tuple[int, Candidate, Result]], keep: int, des_top: int,
             engine: str) -> dict[str, float]:
     """Per group, the tokens/s a candidate must reach to matter there (0: everything matters
-    until the group has enough scored members)."""
-    best = [(c, r) for _, c, r in scored]
-    picks = _to_rescore(best, des_top) if engine != "closed-form" else []
-    need = {"all": keep + len(picks)}
+    until the group has enough scored members).
+
+    Overall, the best `keep` screened (and the best `des_top`, the event engine's own picks):
+    the ranking's first `keep` are the event engine's picks, then screened candidates that are
+    not picks in screen order, and the m-th of those sits at most m + len(picks) = `keep` deep.
+    Per family and without BP, the best DES_PER_FAMILY (the rest of the picks)."""
+    need = {"all": keep if engine == "closed-form" else max(keep, des_top)}
     members: dict[str, list[float]] = {}
-    for c, r in best:
+    for _, c, r in scored:
         for g in _groups(c.plan):
             members.setdefault(g, []).append(r.tokens_per_s or 0.0)
     floors = {}

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from csbp.simulator.bounds import keys_at_home_is_cheapest, one_layer_per_kind, step_time_lower_bound
+from csbp.simulator.bounds import (busy_per_rank, keys_at_home_is_cheapest, one_layer_per_kind, segment_sums,
+                                   step_time_lower_bound)
+from csbp.simulator.engine import durations
+from csbp.simulator.graph import StepGraph
+from csbp.simulator.layout import Layout
 from csbp.simulator.hardware import load_profile
 from csbp.simulator.objectives import default_objective
 from csbp.simulator.plan import Plan
@@ -55,6 +59,27 @@ def test_bounds_are_tight_where_compute_dominates():
     for plan in (Plan(dp=2, cp=8, bp=8), Plan(dp=4, cp=4), Plan(dp=2, cp=8, transport="ring")):
         step = simulate(model, workload, plan, profile, 2, engine="closed-form", with_trace=False).step_time_s
         assert 0.95 * step <= step_time_lower_bound(model, workload, plan, profile) <= step
+
+
+@pytest.mark.parametrize("name, plan, fields", [
+    ("nemotron-diffusion-8b", Plan(dp=2, cp=4, bp=8, transport="ring"), {}),
+    ("nemotron-diffusion-8b", Plan(tp=2, cp=8), {"zero_stage": 3}),
+    ("diffusiongemma-26b-a4b", Plan(ep=2, cp=2, bp=4), {}),
+    ("qwen3.5-27b", Plan(tp=2, cp=4), {}),
+])
+def test_without_checkpointing_is_the_checkpointed_bound_less_its_recompute(name, plan, fields):
+    """Reason 5: the bound without checkpointing from the checkpointed graph equals the one of a
+    graph built without checkpointing, bit for bit."""
+    model, profile = load_model(name), load_profile("h200")
+    workload = Workload(seq_len=32 * K, checkpointing="none", objective=default_objective(model), **fields)
+    reduced, counts = one_layer_per_kind(model)
+    for keys_at_home in (True, False):
+        graph = StepGraph.build(reduced, workload, plan, Layout.build(workload, plan), 8,
+                                keys_at_home=keys_at_home)
+        direct = segment_sums(graph, counts, durations(graph, profile))
+        both = busy_per_rank(model, workload, plan, profile, keys_at_home)
+        assert direct["full"].tolist() == direct["none"].tolist() == both["none"].tolist()
+        assert (both["full"] > both["none"]).all()
 
 
 def test_keys_at_home_only_where_efficiency_never_falls():
