@@ -59,7 +59,10 @@ def along(curve, x: np.ndarray, factor: float = 1.0) -> np.ndarray:
     xs = np.array([p[0] for p in curve])
     ys = np.array([p[1] for p in curve])
     x = np.asarray(x, dtype=float)
-    hi = np.clip(np.searchsorted(xs, x, side="right"), 1, len(xs) - 1) if len(xs) > 1 else np.zeros(x.shape, int)
+    if len(xs) > 1:
+        hi = np.clip(np.searchsorted(xs, x, side="right"), 1, len(xs) - 1)
+    else:
+        hi = np.zeros(x.shape, int)
     lo = np.maximum(hi - 1, 0)
     x0, x1, y0, y1 = xs[lo], xs[hi], ys[lo], ys[hi]
     inside = (x > xs[0]) & (x < xs[-1])

@@ -896,7 +896,7 @@ ALSO_CLEARED: list = []
 def clear_caches() -> None:
     """Forget what earlier graphs cached, layouts included (a benchmark measuring a cold start)."""
     clear_layout_caches()
-    for cached in (_placed_group, _sequence_pairs, _canvas_pairs, pairs._window_prefix):
+    for cached in (_placed_group, _sequence_pairs, _canvas_pairs, pairs._window_prefix, pairs._block_counts):
         cached.cache_clear()
     for clear in ALSO_CLEARED:
         clear()

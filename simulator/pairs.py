@@ -125,9 +125,14 @@ def totals(layout: Layout, window: int | None = None) -> np.ndarray:
     which = np.repeat(np.arange(len(spans)), pieces)
     ids = first[which] + np.arange(which.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     held = np.minimum(hi[which], (ids + 1) * b) - np.maximum(lo[which], ids * b)
-    seen = mask.visible_counts(np.arange(0, 2 * L, b, dtype=np.int64), L, b)
-    np.add.at(out, rank[which], held * seen[ids])
+    np.add.at(out, rank[which], held * _block_counts(L, b)[ids])
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _block_counts(seq_len: int, block: int) -> np.ndarray:
+    """Keys seen by each query of each block of the 2L sequence (the same for all of a block)."""
+    return mask.visible_counts(np.arange(0, 2 * seq_len, block, dtype=np.int64), seq_len, block)
 
 
 @functools.lru_cache(maxsize=4)

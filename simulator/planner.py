@@ -5,9 +5,10 @@ form scores the candidates that fit, and the discrete-event engine, which models
 queueing, re-scores only the few candidates that can still win. When the caller says how much of
 the ranking it reports (`keep`), the closed form only scores candidates that can still reach it:
 each candidate's lower bound on step time (`bounds.py`) caps its tokens/s, and a candidate whose
-cap is below enough scored candidates in every group it could matter to is pruned unscored. A recommendation is only
-meaningful next to what users would launch without block parallelism, so the best plan with
-bp == 1 is kept as the *baseline*, scored by the same engine as the recommendation.
+cap is below enough scored candidates in every group it could matter to is pruned unscored.
+A recommendation is only meaningful next to what users would launch without block parallelism,
+so the best plan with bp == 1 is kept as the *baseline*, scored by the same engine as the
+recommendation.
 
 Candidates that break a plan rule, or that the simulator finds infeasible (memory, ...), are kept
 and grouped by a normalised reason, so the user sees why a topology is missing from the ranking.
@@ -349,18 +350,20 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
 
 
 def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareProfile, engine: str,
-                  keep: int, des_top: int, evaluate, pool: Workers) -> tuple[list[tuple[Candidate, Result]], int]:
+                  keep: int, des_top: int, evaluate,
+                  pool: Workers) -> tuple[list[tuple[Candidate, Result]], int]:
     """(screened candidates with their closed-form results, best first; how many were simulated).
 
-    What the reported ranking reads from the screen: its first `keep + picks` entries (the
+    What the reported ranking reads from the screen: its best max(keep, des_top) entries (the
     event engine's picks come first, then the rest in screen order), and the best DES_PER_FAMILY
-    of each family and of the plans without BP. A candidate can change these only if its
+    of each family and of the plans without BP (`_floors`). A candidate can change these only if its
     tokens/s cap (tokens per step over a lower bound on its step time, so at least its real
-    tokens/s) reaches what the last of them in one of its groups has so far. Candidates are
-    taken best cap first: one that still matters gets the tighter bound (its own K/V calls and
-    transfers), and if it still matters, a simulation; the screen ends when no candidate left
-    matters, the rest are pruned. Ties in rank_key keep the enumeration order, as the
-    exhaustive sort does.
+    tokens/s) reaches what the last of them in one of its groups has so far (as a screened
+    candidate can only push that last one out, an unscreened one below it can never enter).
+    Candidates are taken best cap first, two at a time: one that still matters gets the tighter
+    bound (its own K/V calls and transfers), and if it still matters, a simulation; the screen
+    ends when no candidate left matters, the rest are pruned. Ties in rank_key keep the
+    enumeration order, as the exhaustive sort does.
     """
     # the quick bound is already the plan's own graph where no K/V moves (or no keys are moved
     # home because the profile does not allow it): nothing to tighten there
@@ -403,8 +406,10 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         first = best(floors)
         if first is None:
             return [(c, r) for _, c, r in scored], len(done)
-        second = best(floors, besides=first)  # simulated beside the first (two cores), whatever
-        batch = [i for i in (first, second) if i is not None]  # the number of workers
+        # two at a time (beside each other on two cores), whatever the number of workers, so
+        # the search does the same work and reports the same counts on any host
+        second = best(floors, besides=first)
+        batch = [i for i in (first, second) if i is not None]
         loose = next((i for i in batch if not tight[i]), None)
         if loose is not None:
             tight[loose] = True
