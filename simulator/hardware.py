@@ -148,7 +148,7 @@ class Node(BaseModel):
 
     def core_share(self, ranks: int) -> float:
         """Fraction of its full compute speed each of `ranks` busy ranks on this host gets (1 on
-        GPUs). Measured gloo bandwidth does not shrink this way (see runtime/calibrate.py)."""
+        GPUs). Measured gloo bandwidth does not shrink this way (see runtime/collective_fit.py)."""
         if self.cores is None or ranks <= self.cores:
             return 1.0
         return self.cores / ranks * (self.sharing_efficiency or 1.0)
