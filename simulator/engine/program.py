@@ -1,9 +1,9 @@
 """A step graph as a program both engines run in one pass: per op, its kind, inputs, waits.
 
 Both engines walk the ops in program order with one row of times per op (all representative
-ranks at once); what they need from each op (is it a transfer, which ops it waits for, which
-ranks wait for each other, whom it receives from) is looked up once per graph here, so the pass
-itself is a few array operations per op.
+ranks at once). What they need from an op's work (is it a transfer, which ranks wait for each
+other, whom it receives from) is looked up once per distinct work here, as identical layers
+share their works, so the pass itself is a few array operations per op.
 """
 
 from __future__ import annotations
