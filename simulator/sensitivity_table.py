@@ -17,6 +17,8 @@ def _cell(o: Outcome | None) -> str:
         return "[red]nothing fits[/]"
     speed = f"{o.speedup:.2f}x" if o.speedup is not None else "BP only"
     text = f"{FAMILY_NAMES[o.family]} {speed}"
+    if o.family_flipped:
+        return f"[bold red]{text} family flip[/]"
     return f"[bold red]{text} flip[/]" if o.flipped else text
 
 
@@ -27,7 +29,7 @@ def print_sensitivity(out: Console, s: Sensitivity) -> None:
                         "each input scaled", box=box.SIMPLE_HEAD,
                   caption=f"closed-form re-ranking of the search's best {s.pool} candidates "
                           "(memory reserve: closed-form re-screen of every candidate at ±20 %); "
-                          "flip = another plan wins", caption_justify="left")
+                          "flip = another plan wins; family flip = a plan of another family", caption_justify="left")
     table.add_column("input")
     for f in FACTORS:
         table.add_column(f"{(f - 1) * 100:+.0f} %", justify="right")
@@ -48,9 +50,11 @@ def print_sensitivity(out: Console, s: Sensitivity) -> None:
         for o in entry.outcomes:
             if o.flipped:
                 how = f"{(o.factor - 1) * 100:+.0f} %"
+                family = (f"family {FAMILY_NAMES[nom.family]} -> {FAMILY_NAMES[o.family]}"
+                          if o.family_flipped and o.family and nom.family else "same family")
                 out.print(f"  [bold red]flip[/]: {entry.label} {how}: "
-                          + (f"{o.winner} wins" if o.winner else "nothing fits")
-                          + (f" ({o.speedup:.2f}x over {o.baseline})" if o.speedup is not None else ""),
+                          + (f"{o.winner} wins ({family})" if o.winner else "nothing fits")
+                          + (f", {o.speedup:.2f}x over {o.baseline}" if o.speedup is not None else ""),
                           highlight=False)
     if not s.flips:
         out.print("  no flip inside ±20 % of any input varied", highlight=False)

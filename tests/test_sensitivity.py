@@ -56,7 +56,7 @@ def test_a_flip_inside_the_range_is_reported(borderline_engine, capsys):
 def test_the_text_names_the_flip(borderline_engine, capsys):
     assert main(ARGV) == 0
     out = capsys.readouterr().out
-    assert "Sensitivity" in out and "flip: NVLink bandwidth +20 %" in out
+    assert "Sensitivity" in out and "flip: NVLink bandwidth +20 %" in out and "family CSBP -> CP" in out
     assert "interference factor: not varied" in out
 
 
