@@ -360,15 +360,18 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     tokens/s cap (tokens per step over a lower bound on its step time, so at least its real
     tokens/s) reaches what the last of them in one of its groups has so far (as a screened
     candidate can only push that last one out, an unscreened one below it can never enter).
-    Candidates are taken best cap first, two at a time: one that still matters gets the tighter
-    bound (its own K/V calls and transfers), and if it still matters, a simulation; the screen
+    Candidates are taken best cap first: one that still matters gets the tighter bound (its own
+    K/V calls and transfers) where its simulation is dear, and if it still matters, a simulation; the screen
     ends when no candidate left matters, the rest are pruned. Ties in rank_key keep the
     enumeration order, as the exhaustive sort does.
     """
-    # the quick bound is already the plan's own graph where no K/V moves (or no keys are moved
-    # home because the profile does not allow it): nothing to tighten there
-    cheapest = keys_at_home_is_cheapest(profile)
-    cap, tight = [], [not cheapest or c.plan.cp == 1 for c in fitting]
+    # the quick bound is already the plan's own graph where no K/V moves (or where the profile
+    # does not let keys stay home); and the tighter one pays only where a simulation is dear:
+    # a ring (ops per step and layer) or a context group wider than a node (longer rows)
+    home, node = keys_at_home_is_cheapest(profile), profile.node.gpus_per_node
+    cap = []
+    tight = [not home or c.plan.cp == 1 or (c.plan.transport != "ring" and c.plan.ctx <= node)
+             for c in fitting]
     tokens = [c.workload.seq_len * c.workload.micro_batch * c.plan.sequences for c in fitting]
     keys = [bound_key(c.plan, c.workload, profile, keys_at_home=True) for c in fitting]
     unique = sorted(set(keys), key=lambda k: (k[0].cp, k[0].bp, k[0].schedule, repr(k)))  # by ownership
@@ -384,45 +387,33 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     done: set[int] = set()
     scored: list[tuple[int, Candidate, Result]] = []
 
-    def best(floors: dict[str, float], besides: int | None = None) -> int | None:
+    def best(floors: dict[str, float]) -> int | None:
         """The candidate with the best cap known now among those that still matter."""
         found = None
         for groups, heap in heaps.items():
             while heap and (heap[0][1] in done or -heap[0][0] != cap[heap[0][1]]):
                 heapq.heappop(heap)  # simulated, or its cap has been tightened since
-            aside = [heapq.heappop(heap)] if heap and heap[0][1] == besides else []
-            while heap and (heap[0][1] in done or -heap[0][0] != cap[heap[0][1]]):
-                heapq.heappop(heap)
             if heap and -heap[0][0] >= min(floors.get(g, 0.0) for g in groups) * (1 - PRUNE_TOLERANCE):
                 if found is None or (-heap[0][0], -heap[0][1]) > (cap[found], -found):
                     found = heap[0][1]
-            for entry in aside:
-                heapq.heappush(heap, entry)
         return found
 
     while True:
         scored.sort(key=lambda icr: (rank_key(icr[2]), icr[0]))
-        floors = _floors(scored, keep, des_top, engine)
-        first = best(floors)
-        if first is None:
+        i = best(_floors(scored, keep, des_top, engine))
+        if i is None:
             return [(c, r) for _, c, r in scored], len(done)
-        # two at a time (beside each other on two cores), whatever the number of workers, so
-        # the search does the same work and reports the same counts on any host
-        second = best(floors, besides=first)
-        batch = [i for i in (first, second) if i is not None]
-        loose = next((i for i in batch if not tight[i]), None)
-        if loose is not None:
-            tight[loose] = True
-            cand = fitting[loose]
+        cand = fitting[i]
+        if not tight[i]:
+            tight[i] = True
             key = bound_key(cand.plan, cand.workload, profile, keys_at_home=False)
             if key not in bounds:
                 bounds[key] = _lower_bounds(model, profile, key)
-            cap[loose] = min(cap[loose], _cap(tokens[loose], bounds[key][cand.workload.checkpointing]))
-            heapq.heappush(heaps[_groups(cand.plan)], (-cap[loose], loose))
+            cap[i] = min(cap[i], _cap(tokens[i], bounds[key][cand.workload.checkpointing]))
+            heapq.heappush(heaps[_groups(cand.plan)], (-cap[i], i))
             continue
-        done.update(batch)
-        chosen = {id(fitting[i]): i for i in batch}
-        scored += [(chosen[id(c)], c, r) for c, r in evaluate([fitting[i] for i in batch])]
+        done.add(i)
+        scored += [(i, c, r) for c, r in evaluate([cand])]
 
 
 def _groups(plan: Plan) -> tuple[str, ...]:

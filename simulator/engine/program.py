@@ -60,12 +60,16 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
     n = graph.ranks
     zero = np.zeros(n)
     maximum = np.maximum
-    start: list[np.ndarray] = []
-    finish: list[np.ndarray] = []
+    start: list = [None] * len(graph.ops)
+    finish: list = [None] * len(graph.ops)
     compute_free = comm_free = zero
     per_work = program(graph)
     _, which = graph.works()
+    chains = compute_chains(graph) if overlap else {}
     for op, w, took in zip(graph.ops, which.tolist(), d):
+        i = op.index
+        if finish[i] is not None:  # timed with its chain
+            continue
         deps = op.deps
         comm, sync, peer = per_work[w]
         if deps:
@@ -92,8 +96,36 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
                 comm_free = end
         else:
             begin = compute_free if ready is compute_free else maximum(compute_free, ready)
-            end = compute_free = begin + took
-        start.append(begin)
-        finish.append(end)
+            chain = chains.get(i)
+            if chain is None:
+                end = compute_free = begin + took
+            else:  # it and the compute ops that each wait only for the one before, back to back
+                times = np.cumsum(np.concatenate([begin[None], d[chain]]), axis=0)
+                for k, j in enumerate(chain.tolist()):
+                    start[j], finish[j] = times[k], times[k + 1]
+                compute_free = times[-1]
+                continue
+        start[i] = begin
+        finish[i] = end
     shape = d.shape
     return np.array(start).reshape(shape), np.array(finish).reshape(shape)
+
+
+def compute_chains(graph: StepGraph) -> dict[int, np.ndarray]:
+    """Runs of compute ops in which each waits only for the compute op before it, keyed by their
+    first op: with overlap the stream runs them back to back, so their times are one running sum
+    (np.cumsum adds in the same order as op after op), whatever transfers run between them."""
+    if "chains" not in graph._arrays:
+        runs: dict[int, list[int]] = {}
+        head = last = None
+        for op in graph.ops:
+            if isinstance(op.work, Comm):
+                continue
+            if head is not None and op.deps == (last,):
+                runs[head].append(op.index)
+            else:
+                head = op.index
+                runs[head] = [head]
+            last = op.index
+        graph._arrays["chains"] = {h: np.array(r) for h, r in runs.items() if len(r) > 1}
+    return graph._arrays["chains"]
