@@ -10,6 +10,8 @@ cells and what the planner did in them. No file is written; nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import time
 
 from csbp.simulator.grid import CellSearch, cells, search_cells, split_list
@@ -32,17 +34,24 @@ def main() -> None:
     args = p.parse_args()
     profile = load_profile(args.hardware)
     grid = cells([args.model], split_list(args.seq_lens, "seq-lens"), split_list(args.gpus, "gpus"), profile)
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), _cpu_seconds()
     answers = search_cells(grid, profile, engine=args.engine, jobs=args.jobs)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _cpu_seconds() - cpu0
     n_l, n_g = len(split_list(args.seq_lens, "seq-lens")), len(split_list(args.gpus, "gpus"))
     print(f"{n_l} x {n_g} map of {args.model} on {args.hardware} ({args.engine}, {args.jobs} jobs, "
-          f"{available_cores()} cores): {wall:.1f} s wall")
+          f"{available_cores()} cores): {wall:.1f} s wall, {cpu:.1f} CPU s "
+          f"(load average {os.getloadavg()[0]:.1f}: a shared host stretches the wall time)")
     print("slowest cells (search seconds, candidates, simulations):")
     for a in sorted(answers, key=_seconds, reverse=True)[:5]:
         f = a.found
         what = f"{f.candidates} candidates, {f.evaluations} simulations" if f else "nothing fits"
         print(f"  {fmt_tokens(a.cell.seq_len):>5} on {a.cell.gpus:>4} GPUs: {_seconds(a):6.1f} s, {what}")
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished workers: steadier than wall time on a shared host."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _seconds(a: CellSearch) -> float:

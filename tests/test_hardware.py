@@ -112,8 +112,8 @@ def test_link_unknown_name():
 
 
 def test_unknown_name():
-    with pytest.raises(InputError, match="unknown hardware profile 'b200'") as err:
-        load_profile("b200")
+    with pytest.raises(InputError, match="unknown hardware profile 'mi300x'") as err:
+        load_profile("mi300x")
     assert "\n" not in str(err.value)
 
 
