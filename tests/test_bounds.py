@@ -13,7 +13,7 @@ from csbp.simulator.layout import Layout
 from csbp.simulator.hardware import load_profile
 from csbp.simulator.objectives import default_objective
 from csbp.simulator.plan import Plan
-from csbp.simulator.planner import enumerate_space, memory_misfit, search
+from csbp.simulator.planner import enumerate_space, memory_misfit
 from csbp.simulator.presets import load_model
 from csbp.simulator.simulate import simulate
 from csbp.simulator.workload import Workload
@@ -89,9 +89,16 @@ def test_keys_at_home_only_where_efficiency_never_falls():
     assert len(reduced.layers) == len(counts) == 2 and sum(counts) == load_model("diffusiongemma-26b-a4b").n_layers
 
 
-def test_parallel_bounds_give_the_same_search():
+def test_bounds_in_worker_processes_are_the_same():
+    """Forked workers compute the same bounds, in order (the planner's chunks)."""
+    from functools import partial
+
+    from csbp.simulator.planner import _lower_bounds
+    from csbp.simulator.workers import Workers
+
     model, profile = load_model("nemotron-diffusion-8b"), load_profile("h200")
-    workload = Workload(seq_len=256 * K)
-    one, two = (search(model, workload, profile, 2, keep=10, workers=w) for w in (1, 2))
-    assert [r.to_json() for r in one.ranked] == [r.to_json() for r in two.ranked]
-    assert (one.pruned, one.screened, one.rescored) == (two.pruned, two.screened, two.rescored)
+    workload = Workload(seq_len=64 * K)
+    keys = [(c.plan, workload, True) for c in enumerate_space(model, workload, 16).candidates][:24]
+    job = partial(_lower_bounds, model, profile)
+    with Workers(2) as pool:
+        assert pool.chunks(job, keys, least=1) == pool.map(job, keys, least=1) == [job(k) for k in keys]
