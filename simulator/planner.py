@@ -354,9 +354,10 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
                   pool: Workers) -> tuple[list[tuple[Candidate, Result]], int]:
     """(screened candidates with their closed-form results, best first; how many were simulated).
 
-    What the reported ranking reads from the screen: its best max(keep, des_top) entries (the
-    event engine's picks come first, then the rest in screen order), and the best DES_PER_FAMILY
-    of each family and of the plans without BP (`_floors`). A candidate can change these only if its
+    What the reported ranking reads from the screen: the event engine's picks (the best
+    `des_top`, the best DES_PER_FAMILY of each family and of the plans without BP), then the
+    screen's other candidates in order until `keep` are listed (`_floors`). A candidate can
+    change these only if its
     tokens/s cap (tokens per step over a lower bound on its step time, so at least its real
     tokens/s) reaches what the last of them in one of its groups has so far (as a screened
     candidate can only push that last one out, an unscreened one below it can never enter).
@@ -423,21 +424,30 @@ def _groups(plan: Plan) -> tuple[str, ...]:
 
 def _floors(scored: list[tuple[int, Candidate, Result]], keep: int, des_top: int,
             engine: str) -> dict[str, float]:
-    """Per group, the tokens/s a candidate must reach to matter there (0: everything matters
-    until the group has enough scored members).
+    """Per group, the tokens/s a candidate must reach to matter there (absent: everything
+    matters until the group has enough scored members).
 
-    Overall, the best `keep` screened (and the best `des_top`, the event engine's own picks):
-    the ranking's first `keep` are the event engine's picks, then screened candidates that are
-    not picks in screen order, and the m-th of those sits at most m + len(picks) = `keep` deep.
-    Per family and without BP, the best DES_PER_FAMILY (the rest of the picks)."""
-    need = {"all": keep if engine == "closed-form" else max(keep, des_top)}
+    Per family and without BP, the best DES_PER_FAMILY (picks of the event engine). Overall,
+    the best `des_top` (its other picks) and as deep as the ranking's first `keep` reach: they
+    are the picks, then the screened candidates that are not picks, in screen order, so the
+    screen must be exact down to the (keep - picks)-th of those. The closed form alone ranks
+    the screen as it is: its best `keep`."""
+    best = [(c, r) for _, c, r in scored]
+    if engine == "closed-form":
+        need = keep
+    else:
+        picks = set(_to_rescore(best, des_top))
+        rest = [i for i in range(len(best)) if i not in picks]  # positions of the non-picks
+        wanted = keep - len(picks)
+        need = des_top if wanted <= 0 else (
+            max(des_top, rest[wanted - 1] + 1) if len(rest) >= wanted else len(best) + 1)
     members: dict[str, list[float]] = {}
-    for _, c, r in scored:
+    for c, r in best:
         for g in _groups(c.plan):
             members.setdefault(g, []).append(r.tokens_per_s or 0.0)
     floors = {}
     for g, speeds in members.items():
-        n = need.get(g, DES_PER_FAMILY)
+        n = need if g == "all" else DES_PER_FAMILY
         if len(speeds) >= n:
             floors[g] = speeds[n - 1]
     return floors

@@ -16,7 +16,6 @@ tests hold `run` equal to, bit for bit.
 from __future__ import annotations
 
 import numpy as np
-import simpy
 
 from csbp.simulator.engine import Timeline, program
 from csbp.simulator.graph import Comm, StepGraph
@@ -28,6 +27,8 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
 
 def run_events(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
     """The same timeline from simpy processes, one per stream and rank (the reference)."""
+    import simpy  # only the reference needs an event queue
+
     env = simpy.Environment()
     start = np.zeros_like(d)
     finish = np.full_like(d, np.nan)
