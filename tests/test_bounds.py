@@ -13,7 +13,7 @@ from csbp.simulator.layout import Layout
 from csbp.simulator.hardware import load_profile
 from csbp.simulator.objectives import default_objective
 from csbp.simulator.plan import Plan
-from csbp.simulator.planner import enumerate_space, memory_misfit
+from csbp.simulator.planner import enumerate_space, memory_misfit, search
 from csbp.simulator.presets import load_model
 from csbp.simulator.simulate import simulate
 from csbp.simulator.workload import Workload
@@ -102,3 +102,26 @@ def test_bounds_in_worker_processes_are_the_same():
     job = partial(_lower_bounds, model, profile)
     with Workers(2) as pool:
         assert pool.chunks(job, keys, least=1) == pool.map(job, keys, least=1) == [job(k) for k in keys]
+
+
+@pytest.mark.parametrize("name, seq_len, engine, keeps", [
+    ("nemotron-diffusion-3b", 64 * K, "des", (1, 3, 12)),
+    ("diffusiongemma-26b-a4b", 32 * K, "closed-form", (1, 5)),
+    ("qwen3.5-27b", 64 * K, "des", (2, 8)),
+])
+def test_pruned_search_reports_what_the_exhaustive_one_does(name, seq_len, engine, keeps):
+    """For any `keep`: the first `keep` ranked, the baseline and each family's best are the
+    exhaustive search's, and the pruned ranking is the exhaustive one restricted to what it
+    screened."""
+    model, profile = load_model(name), load_profile("h200")
+    workload = Workload(seq_len=seq_len, objective=default_objective(model))
+    full = search(model, workload, profile, 1, engine=engine, workers=1)
+    order = [r.to_json() for r in full.ranked]
+    for keep in keeps:
+        found = search(model, workload, profile, 1, engine=engine, workers=1, keep=keep)
+        ranked = [r.to_json() for r in found.ranked]
+        assert ranked[:keep] == order[:keep] and found.pruned + found.screened == full.feasible
+        assert ranked == [r for r in order if r in ranked]
+        assert found.baseline.to_json() == full.baseline.to_json()
+        assert {f: r.to_json() for f, r in found.best_per_family().items()} == \
+            {f: r.to_json() for f, r in full.best_per_family().items()}
