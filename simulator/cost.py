@@ -158,7 +158,7 @@ def comm_seconds(work: Comm, profile: HardwareProfile) -> np.ndarray:
 # A planner search prices the same work in many candidates (a layer's GEMMs do not change with
 # checkpointing or the K/V transport): priced works are kept, keyed by value and profile.
 _PRICED: dict[tuple[int, Work], tuple[HardwareProfile, np.ndarray]] = {}
-_PRICED_LIMIT = 200_000
+_PRICED_LIMIT = 50_000  # works of a 1,024-GPU search; a key holds a row per rank
 ALSO_CLEARED.append(_PRICED.clear)
 
 

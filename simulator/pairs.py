@@ -135,7 +135,7 @@ def _block_counts(seq_len: int, block: int) -> np.ndarray:
     return mask.visible_counts(np.arange(0, 2 * seq_len, block, dtype=np.int64), seq_len, block)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)  # 2L + 1 counts each: 64 MB at the longest context
 def _window_prefix(seq_len: int, block: int, window: int) -> np.ndarray:
     """Keys seen by the queries at positions < p, for every p of the 2L sequence."""
     counts = mask.visible_counts(np.arange(2 * seq_len, dtype=np.int64), seq_len, block, window)
