@@ -65,7 +65,7 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
     compute_free = comm_free = zero
     per_work = program(graph)
     _, which = graph.works()
-    chains = compute_chains(graph) if overlap else {}
+    chains = chained_ops(graph, transfers=not queue_comm) if overlap else {}
     for op, w, took in zip(graph.ops, which.tolist(), d):
         i = op.index
         if finish[i] is not None:  # timed with its chain
@@ -111,21 +111,37 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
     return np.array(start).reshape(shape), np.array(finish).reshape(shape)
 
 
-def compute_chains(graph: StepGraph) -> dict[int, np.ndarray]:
-    """Runs of compute ops in which each waits only for the compute op before it, keyed by their
-    first op: with overlap the stream runs them back to back, so their times are one running sum
-    (np.cumsum adds in the same order as op after op), whatever transfers run between them."""
-    if "chains" not in graph._arrays:
+def chained_ops(graph: StepGraph, transfers: bool) -> dict[int, np.ndarray]:
+    """Runs of ops in which each waits only for the one before, keyed by their first op (a
+    compute op). With overlap the compute stream runs such compute ops back to back, so their
+    times are one running sum (np.cumsum adds in the same order as op after op), whatever other
+    transfers run between them. `transfers`: a transfer that nobody syncs with and that queues
+    behind nothing (the closed form's TP collectives) joins the run too, the compute op after it
+    starting when it ends. A run ends with a compute op and holds every compute op between its
+    first and last."""
+    key = ("chains", transfers)
+    if key not in graph._arrays:
+        per_work, (_, which) = program(graph), graph.works()
         runs: dict[int, list[int]] = {}
-        head = last = None
-        for op in graph.ops:
-            if isinstance(op.work, Comm):
+        run: list[int] = []
+        for op, w in zip(graph.ops, which.tolist()):
+            comm, sync, peer = per_work[w]
+            follows = bool(run) and op.deps == (run[-1],)
+            if comm:
+                if follows and transfers and sync is None and peer is None:
+                    run.append(op.index)
                 continue
-            if head is not None and op.deps == (last,):
-                runs[head].append(op.index)
-            else:
-                head = op.index
-                runs[head] = [head]
-            last = op.index
-        graph._arrays["chains"] = {h: np.array(r) for h, r in runs.items() if len(r) > 1}
-    return graph._arrays["chains"]
+            if not follows:
+                _close(run, runs, graph)
+                run = []
+            run.append(op.index)
+        _close(run, runs, graph)
+        graph._arrays[key] = runs
+    return graph._arrays[key]
+
+
+def _close(run: list[int], runs: dict, graph: StepGraph) -> None:
+    while run and isinstance(graph.ops[run[-1]].work, Comm):  # a run ends with a compute op
+        run.pop()
+    if len(run) > 1:
+        runs[run[0]] = np.array(run)
