@@ -51,10 +51,20 @@ from csbp.simulator.workload import Workload
 ROUNDING_MARGIN = 1e-12
 
 
+_REDUCED: dict[int, tuple[ModelSpec, ModelSpec, list[int]]] = {}
+
+
 def one_layer_per_kind(model: ModelSpec) -> tuple[ModelSpec, list[int]]:
-    """The model with one layer of each kind, and how many layers each stands for."""
-    kinds = model.attention_kinds()
-    return model.model_copy(update={"layers": tuple(kinds)}), list(kinds.values())
+    """The model with one layer of each kind, and how many layers each stands for (made once
+    per model: a search asks for every candidate)."""
+    hit = _REDUCED.get(id(model))
+    if hit is None or hit[0] is not model:
+        if len(_REDUCED) > 64:
+            _REDUCED.clear()
+        kinds = model.attention_kinds()
+        hit = _REDUCED[id(model)] = (model, model.model_copy(update={"layers": tuple(kinds)}),
+                                     list(kinds.values()))
+    return hit[1], hit[2]
 
 
 def keys_at_home_is_cheapest(profile: HardwareProfile) -> bool:

@@ -271,7 +271,7 @@ class _Builder:
         self.ops: list[Op] = [] if ops is None else ops  # a sub-pass appends to its parent's ops
         self.notes: list[str] = [] if notes is None else notes
         self._cache: dict = {}
-        self._layers: dict[tuple, _LayerTemplate | None] = {}
+        self._layers: dict[tuple, _LayerTemplate | tuple | None] = {}
         every = tuple(range(self.n))
         self.cp_sync = layout.cp_groups()
         self.g_tp = self._group(("tp",), tuple((r,) for r in every))
@@ -458,12 +458,16 @@ class _Builder:
         """
         key = (a, phase)
         template = self._layers.get(key)
+        if isinstance(template, tuple):  # the second layer of its kind: record the first now
+            start, end, first_x, first_out = template
+            template = self._layers[key] = _LayerTemplate.record(self.ops[start:end], start, first_x,
+                                                                 first_out)
         if template is not None:
             return template.stamp(self.ops, li, x)
         start = len(self.ops)
         out = self.layer_backward(li, a, x) if phase == "backward" else self.layer_forward(li, a, phase, x)
         if x and key not in self._layers:  # with no input, which ops wait for it cannot be seen
-            self._layers[key] = _LayerTemplate.record(self.ops[start:], start, x, out)
+            self._layers[key] = (start, len(self.ops), x, out)  # recorded if a second one comes
         return out
 
     def layer_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
