@@ -12,13 +12,21 @@ Span = tuple[int, int]
 
 def normalize(spans: Iterable[Span]) -> tuple[Span, ...]:
     """Sorted, non-empty, with touching or overlapping spans merged."""
-    out: list[list[int]] = []
-    for start, stop in sorted(s for s in spans if s[1] > s[0]):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], stop)
+    items = iter(sorted(s for s in spans if s[1] > s[0]))
+    first = next(items, None)
+    if first is None:
+        return ()
+    out: list[Span] = []
+    lo, hi = first
+    for start, stop in items:
+        if start <= hi:
+            if stop > hi:
+                hi = stop
         else:
-            out.append([start, stop])
-    return tuple((a, b) for a, b in out)
+            out.append((lo, hi))
+            lo, hi = start, stop
+    out.append((lo, hi))
+    return tuple(out)
 
 
 def intersect(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
