@@ -9,14 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich import box
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from csbp.simulator.cli_args import DEFAULT_HARDWARE, DEFAULT_MODEL, add_what_if_arg, profile_from_args
-from csbp.simulator.commands.plan import console, parse_axes
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import AXES
-from csbp.simulator.planner import available_cores, fmt_tokens
+from csbp.simulator.cli_args import DEFAULT_MODEL
+from csbp.simulator.commands.grid_args import add_grid_args, cell_text, search_grid
+from csbp.simulator.commands.plan import console
+from csbp.simulator.planner import fmt_tokens
 from csbp.simulator.report import print_json
 
 if TYPE_CHECKING:
@@ -35,17 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "best BP plan over the best plan without BP, hatched = nothing "
                                    "fits) and a paragraph on where the crossovers are.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name or path to a Hugging Face config.json")
-    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="profile name or YAML path")
-    add_what_if_arg(p)
-    p.add_argument("--seq-lens", default=DEFAULT_SEQ_LENS, help="comma-separated context lengths")
-    p.add_argument("--gpus", default=DEFAULT_GPUS, help="comma-separated GPU counts (whole nodes)")
-    p.add_argument("--block-size", type=int, default=256, help="diffusion block size b")
-    p.add_argument("--axes", default=",".join(AXES), help="axes the search may use (default: all)")
-    p.add_argument("--engine", default="des", choices=["des", "closed-form"],
-                   help="engine of the final ranking in each cell, as in csbp plan (closed-form: fastest)")
-    p.add_argument("--jobs", type=int, default=None, help="cells planned in parallel (default: all cores)")
-    p.add_argument("--out-dir", default="map", help="where the table, heatmap and reading go")
-    p.add_argument("--json", action="store_true", help="print one JSON object (cells, reading, files)")
+    add_grid_args(p, seq_lens=DEFAULT_SEQ_LENS, gpus=DEFAULT_GPUS, out_dir="map",
+                  out_help="where the table, heatmap and reading go", unit="cell",
+                  json_help="print one JSON object (cells, reading, files)")
     p.set_defaults(func=run)
 
 
@@ -56,32 +46,15 @@ def slug(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from csbp.simulator.decision_map import map_table  # pandas: slow import
-    from csbp.simulator.grid import cells, search_cells, split_list
     from csbp.simulator.presets import load_model
     from csbp.simulator.sweep import save_table
 
-    jobs = available_cores() if args.jobs is None else args.jobs
-    if jobs < 1:
-        raise InputError(f"--jobs {jobs}: must be at least 1")
-    axes = parse_axes(args.axes)
-    what_if = profile_from_args(args)
-    profile = what_if.profile
     model_name = load_model(args.model).name
-    grid = cells([args.model], split_list(args.seq_lens, "seq-lens"), split_list(args.gpus, "gpus"),
-                 profile, args.block_size)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = console(stderr=True)
     start = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=log, transient=args.json) as bar:
-        task = bar.add_task(f"mapping {model_name} on {profile.name}", total=len(grid))
-
-        def done(c) -> None:
-            bar.update(task, advance=1, description=f"{fmt_tokens(c.seq_len)} on {c.gpus} GPUs")
-
-        answers = search_cells(grid, profile, block_size=args.block_size, engine=args.engine,
-                               axes=axes, jobs=jobs, on_done=done)
+    found = search_grid(args, [args.model], f"mapping {model_name} on " + "{profile}",
+                        lambda cell: cell_text(cell, with_model=False))
+    answers, what_if, out_dir, jobs = found.answers, found.what_if, found.out_dir, found.jobs
+    profile, log = what_if.profile, console(stderr=True)
     seconds = time.perf_counter() - start
     df = map_table(answers, profile.name)
     stem = f"map-{slug(model_name)}-{slug(profile.name)}"
@@ -89,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     command = command_line(args.model, args.hardware, what_if.spec, args.seq_lens, args.gpus, args.engine)
     reading, views = write_views(df, out_dir, stem, command, what_if.lines())
     files += views
-    log.print(f"mapped {len(grid)} cells in {seconds:.1f} s ({jobs} jobs)", highlight=False)
+    log.print(f"mapped {found.cells} cells in {seconds:.1f} s ({jobs} jobs)", highlight=False)
     if args.json:
         print_json({"model": model_name, "hardware": profile.name, "engine": args.engine,
                     "what_if": what_if.to_json(), "reading": reading,

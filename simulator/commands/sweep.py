@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 from rich import box
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from csbp.simulator.cli_args import DEFAULT_HARDWARE, DEFAULT_MODEL, add_what_if_arg, profile_from_args
-from csbp.simulator.commands.plan import console, parse_axes
-from csbp.simulator.errors import InputError
-from csbp.simulator.plan import AXES
-from csbp.simulator.planner import available_cores, fmt_tokens
+from csbp.simulator.cli_args import DEFAULT_MODEL
+from csbp.simulator.commands.grid_args import add_grid_args, cell_text, search_grid
+from csbp.simulator.commands.plan import console
+from csbp.simulator.planner import fmt_tokens
 from csbp.simulator.report import print_json
 
 if TYPE_CHECKING:
@@ -28,44 +25,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "point as CSV (and Parquet when available) and plot tokens/s, "
                                    "speedup over the no-BP baseline, peak memory and a crossover map.")
     p.add_argument("--models", default=DEFAULT_MODEL, help="comma-separated presets or config.json paths")
-    p.add_argument("--seq-lens", default="64k,128k,256k,512k", help="comma-separated context lengths")
-    p.add_argument("--gpus", default="8,16", help="comma-separated GPU counts (whole nodes)")
-    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="profile name or YAML path")
-    add_what_if_arg(p)
-    p.add_argument("--block-size", type=int, default=256, help="diffusion block size b")
-    p.add_argument("--axes", default=",".join(AXES), help="axes the search may use (default: all)")
-    p.add_argument("--engine", default="des", choices=["des", "closed-form"],
-                   help="engine of the final ranking at each point (closed-form: fastest)")
-    p.add_argument("--jobs", type=int, default=None, help="points planned in parallel (default: all cores)")
-    p.add_argument("--out-dir", default="sweep", help="where the table and plots go")
-    p.add_argument("--json", action="store_true", help="print one JSON object (the rows and files)")
+    add_grid_args(p, seq_lens="64k,128k,256k,512k", gpus="8,16", out_dir="sweep",
+                  out_help="where the table and plots go", unit="point",
+                  json_help="print one JSON object (the rows and files)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from csbp.simulator.decision_map import map_table  # pandas: slow import
-    from csbp.simulator.grid import cells, search_cells, split_list
+    from csbp.simulator.grid import split_list
     from csbp.simulator.sweep import plot_sweep, save_table, sweep_table
 
-    jobs = available_cores() if args.jobs is None else args.jobs
-    if jobs < 1:
-        raise InputError(f"--jobs {jobs}: must be at least 1")
-    axes = parse_axes(args.axes)
-    what_if = profile_from_args(args)
+    found = search_grid(args, split_list(args.models, "models"), "planning",
+                        lambda cell: cell_text(cell, with_model=True))
+    answers, what_if, out_dir = found.answers, found.what_if, found.out_dir
     profile = what_if.profile
-    grid = cells(split_list(args.models, "models"), split_list(args.seq_lens, "seq-lens"),
-                 split_list(args.gpus, "gpus"), profile, args.block_size)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=log, transient=args.json) as bar:
-        task = bar.add_task("planning", total=len(grid))
-        def done(p) -> None:
-            bar.update(task, advance=1, description=f"{p.model} {fmt_tokens(p.seq_len)} {p.gpus} GPUs")
-
-        answers = search_cells(grid, profile, block_size=args.block_size, engine=args.engine,
-                               axes=axes, jobs=jobs, on_done=done)
     df = sweep_table(answers)
     files = save_table(df, out_dir) + plot_sweep(df, out_dir, profile.gpu.memory_gib,
                                                  map_table(answers, profile.name))
