@@ -8,8 +8,9 @@ depends on glibc's adaptive thresholds, so step times wandered by 10-20 % and th
 L = 1024 spent a third of its step faulting. With mmap off and trimming off, freed blocks stay
 in the heap and are reused: steps are faster and repeatable, and the microbenchmarks of
 `csbp calibrate` run in the same regime. The cost is the allocator's fragmentation, which the
-peak resident set (what `peak_memory_gib` reports on CPU) includes; `start_peak` gives the
-kept memory back between jobs so each job's peak is its own.
+peak resident set (`rss_peak_gib` of a run; `peak_memory_gib` is the allocated-bytes peak of
+`memory_tracker`) includes; `start_peak` gives the kept memory back between jobs so each job's
+peaks are its own.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def keep_freed_memory() -> bool:
 
 def start_peak() -> None:
     """Give the heap's free memory back to the system and restart the peak resident set
-    (VmHWM), so the peak a job reports is its own, not an earlier job's in the same process."""
+    (VmHWM) and the allocated-bytes tracker (`memory_tracker`), so the peaks a job reports are
+    its own, not an earlier job's in the same process."""
+    from csbp.runtime import memory_tracker
+
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
@@ -48,6 +52,7 @@ def start_peak() -> None:
             refs.write("5")  # Linux >= 4.0: reset the peak RSS to the current RSS
     except OSError:
         pass
+    memory_tracker.start()
 
 
 def proc_bytes(path: str, key: str) -> int | None:

@@ -87,7 +87,7 @@ class RankReport:
     ctx_rank: int
     losses: list[float]  # global loss of each measured step (the same on every rank)
     step_times_s: list[float]
-    peak_memory_bytes: int  # CUDA allocator peak after warm-up, or the process's high-water RSS
+    peak_memory_bytes: int  # CUDA allocator peak after warm-up, or runtime.memory_tracker's on CPU
     bytes_sent: dict[str, int]  # per category, last step
     bytes_received: dict[str, int]
     attention_received_by_phase: dict[str, int]
@@ -97,6 +97,7 @@ class RankReport:
     gradients: dict[str, np.ndarray] | None = field(default=None, repr=False)
     # tensor parallelism: (dim, start, stop) in the whole weight of each gradient that is a slice
     gradient_slices: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    rss_peak_bytes: int = field(default_factory=lambda: _rss_peak())  # the report is made last
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -104,11 +105,19 @@ def device_for(local_rank: int) -> torch.device:
 
 
 def _peak_memory(device: torch.device) -> int:
-    """CUDA allocator peak, or the process's resident high-water mark (VmHWM). Not ru_maxrss
-    where /proc exists: Linux carries that over from the parent through fork + exec, so a
-    spawned rank would report its launcher's peak when that is larger."""
+    """Allocated bytes at their peak, the quantity the memory model predicts: CUDA's allocator
+    peak, or on CPU the live tensor bytes `memory_tracker` counted (0 where it did not run)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    from csbp.runtime import memory_tracker
+
+    return memory_tracker.peak_bytes() or 0
+
+
+def _rss_peak() -> int:
+    """The process's resident high-water mark (VmHWM), the torch/gloo baseline included. Not
+    ru_maxrss where /proc exists: Linux carries that over from the parent through fork + exec,
+    so a spawned rank would report its launcher's peak when that is larger."""
     high_water = resident_high_water()
     if high_water is not None:
         return high_water
@@ -277,6 +286,7 @@ def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]
                          / statistics.median(per_step)) if per_step else None,
         "peak_memory_gib": max(r.peak_memory_bytes for r in reports) / GIB,
         "peak_memory_gib_per_rank": [r.peak_memory_bytes / GIB for r in reports],
+        "rss_peak_gib": max(r.rss_peak_bytes for r in reports) / GIB,
         "attention_bytes_counted": max(r.bytes_received["attention-kv"] for r in reports),
         "attention_bytes_predicted": max(r.attention_bytes_predicted for r in reports),
         "attention_bytes_match": all(r.bytes_received["attention-kv"] == r.attention_bytes_predicted
