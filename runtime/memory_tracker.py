@@ -27,6 +27,7 @@ import gc
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -77,10 +78,10 @@ def start() -> None:
     _tracker, _steps = AllocatedBytes(), 0
     gc.collect()
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
+        if issubclass(type(obj), torch.Tensor):  # type(): no module proxy's __class__ lookup
             _tracker.add(obj)
     _tracker.__enter__()
-    _hook = torch.optim.optimizer.register_optimizer_step_post_hook(_after_step)
+    _hook = register_optimizer_step_post_hook(_after_step)
 
 
 def _after_step(optimizer, args, kwargs) -> None:
