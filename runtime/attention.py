@@ -14,8 +14,11 @@ K/V rows exactly as `Layout.exchange` names them:
   (the softmax Jacobian needs only the global normaliser) and passes dK/dV along with K/V, the
   last hop delivering them to their owner.
 
-Queries are grouped by K/V head, q [B, Hkv, G, Nq, D]; k, v [B, Hkv, Nk, D]; masks are boolean
-[Nq, Nk] from `simulator.mask.visible` (the mask exists once, shared with the simulator).
+Queries are grouped by K/V head, q [B, Hkv, G, Nq, D]; k, v [B, Hkv, Nk, D]. Which keys a call's
+queries see is a `Visibility` (their positions and the window) over `simulator.mask.visible` (the
+mask exists once, shared with the simulator). The kernel follows the device (`attend`): on CUDA
+block-sparse FlexAttention (`runtime.flex_attention`: no score matrix, LSE returned, a BlockMask
+built from the positions), elsewhere the exact math below over the dense boolean mask.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import math
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 
+from csbp.runtime.flex_attention import Visibility, flex_attention_with_lse
 from csbp.simulator.layout import Layout, RingStep
-from csbp.simulator.mask import span_positions, visible
+from csbp.simulator.mask import span_positions
 from csbp.simulator.spans import Span, size
 from csbp.simulator.spec import AttentionSpec
 
@@ -71,16 +74,40 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowe
     return ds @ k.unsqueeze(2), (ds.transpose(-1, -2) @ q).sum(2), dv
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one call: block-sparse FlexAttention on CUDA, the exact math elsewhere."""
+    if q.is_cuda:
+        return flex_attention_with_lse(q, k, v, vis, scale)
+    return attention_with_lse(q, k, v, vis.dense(q.device), scale)
+
+
+def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
+                  scale: float, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one K/V tile from the *global* out and lse: the exact formula on CPU; on
+    CUDA the tile's attention recomputed and differentiated (FlexAttention's backward).
+
+    The global output is sum_t w_t out_t with w_t = exp(lse_t - lse), so the tile's output gets
+    w_t grad_out and its LSE w_t grad_out . (out_t - out); no score matrix is materialised.
+    """
+    if not q.is_cuda:
+        return attention_backward(q, k, v, vis.dense(q.device), scale, out, lse, grad_out)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out_t, lse_t = flex_attention_with_lse(*inputs, vis, scale)
+    w = torch.exp(lse_t.detach() - lse.float().masked_fill(lse == float("-inf"), 0.0))
+    g = grad_out.float()
+    grad_lse = w * (g * (out_t.detach().float() - out.float())).sum(-1)
+    grads = torch.autograd.grad((out_t, lse_t), inputs,
+                                ((w.unsqueeze(-1) * g).to(out_t.dtype), grad_lse))
+    return tuple(grads)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
                     scale: float) -> torch.Tensor:
-    """Attention when no LSE is needed: fused SDPA on CUDA, the exact math elsewhere."""
-    if q.is_cuda:  # every query sees at least itself here, so SDPA never meets an empty row
-        b, h_kv, g, n, d = q.shape
-        out = F.scaled_dot_product_attention(q.flatten(1, 2), k.repeat_interleave(g, 1),
-                                             v.repeat_interleave(g, 1), attn_mask=allowed,
-                                             scale=scale)
-        return out.view(b, h_kv, g, n, d)
-    return attention_with_lse(q, k, v, allowed, scale)[0]
+    """Attention when no LSE is needed (every key is local)."""
+    return attend(q, k, v, vis, scale)[0]
 
 
 def positions_of(spans: tuple[Span, ...]) -> torch.Tensor:
@@ -126,7 +153,7 @@ class Attention:
         grouped = q.view(b, n, h_kv, h_q // h_kv, d).permute(0, 2, 3, 1, 4)
         route = self._route(self.layers[layer], q.device)
         out = route.attend(grouped, k.transpose(1, 2), v.transpose(1, 2), 1 / math.sqrt(d))
-        return out.permute(0, 3, 1, 2, 4).reshape(b, n, h_q, d)
+        return out.to(q.dtype).permute(0, 3, 1, 2, 4).reshape(b, n, h_q, d)
 
     # ---- routes: built once per layer kind from the layout ------------------------------------
     def _route(self, spec: AttentionSpec, device: torch.device):
@@ -135,10 +162,9 @@ class Attention:
             self._routes[key] = self._build(spec, device)
         return self._routes[key]
 
-    def _mask(self, keys: torch.Tensor, window: int | None, device: torch.device) -> torch.Tensor:
+    def _mask(self, keys: torch.Tensor, window: int | None) -> Visibility:
         lay = self.layout
-        return visible(self.positions[:, None], keys[None, :], lay.seq_len, lay.block,
-                       window).to(device)
+        return Visibility(self.positions, keys, lay.seq_len, lay.block, window)
 
     def _index(self, rows: tuple[Span, ...], device: torch.device) -> torch.Tensor:
         return self._lookup[positions_of(rows)].to(device)
@@ -147,7 +173,7 @@ class Attention:
         forward = self.layout.exchange(spec, "forward")
         window = spec.window
         if forward.pattern == "none":
-            return _Local(self._mask(self.positions, window, device))
+            return _Local(self._mask(self.positions, window))
         group = next(g for g in forward.groups if self.me in g)
         members = sorted(group, key=lambda c: self.global_ranks[c])  # process-group rank order
         if forward.pattern == "ring":
@@ -156,9 +182,9 @@ class Attention:
         sends = {t.dst: t.rows for t in transfers if t.src == self.me}
         recvs = {t.src: t.rows for t in transfers if t.dst == self.me}
         received = torch.cat([positions_of(recvs.get(c, ())) for c in members])
-        mask = self._mask(torch.cat([self.positions, received]), window, device)
         common = dict(comm=self.comm, group=self.groups[group], me=members.index(self.me),
-                      mask=mask)
+                      local=self._mask(self.positions, window),
+                      remote=self._mask(received, window))
         if forward.pattern == "all-gather":
             (shard,) = {sends[c] for c in members if c != self.me}  # the same rows to everyone
             if {size(recvs[c]) for c in members if c != self.me} != {size(shard)}:
@@ -171,11 +197,11 @@ class Attention:
 
 
 class _Local:
-    def __init__(self, mask: torch.Tensor):
-        self.mask = mask
+    def __init__(self, vis: Visibility):
+        self.vis = vis
 
     def attend(self, q, k, v, scale):
-        return dense_attention(q, k, v, self.mask, scale)
+        return dense_attention(q, k, v, self.vis, scale)
 
 
 class _Exchange(torch.autograd.Function):
@@ -198,14 +224,15 @@ class _Collective:
     this runs while the exchange is in flight), then the received ones.
     """
 
-    def __init__(self, comm, group, me: int, mask: torch.Tensor, index: torch.Tensor):
-        self.comm, self.group, self.me, self.mask, self.index = comm, group, me, mask, index
+    def __init__(self, comm, group, me: int, local: Visibility, remote: Visibility,
+                 index: torch.Tensor):
+        self.comm, self.group, self.me, self.index = comm, group, me, index
+        self.local, self.remote = local, remote
 
     def attend(self, q, k, v, scale):
-        n = k.shape[2]
-        out, lse = attention_with_lse(q, k, v, self.mask[..., :n], scale)
+        out, lse = attend(q, k, v, self.local, scale)
         k_r, v_r = _unpack(_Exchange.apply(_pack(k, v, self.index), self), k)
-        return merge(out, lse, *attention_with_lse(q, k_r, v_r, self.mask[..., n:], scale))[0]
+        return merge(out, lse, *attend(q, k_r, v_r, self.remote, scale))[0]
 
 
 class _Gather(_Collective):
@@ -252,9 +279,9 @@ class _Ring:
         self.comm, self.me, self.global_ranks = attention.comm, me, attention.global_ranks
         self.own_rows = lay.shares[me].owned_kv
         self.own_index = attention._index(self.own_rows, device)
-        self.local_mask = attention._mask(attention.positions, spec.window, device)
+        self.local_mask = attention._mask(attention.positions, spec.window)
         self.masks = {lay.shares[c].owned_kv: attention._mask(positions_of(lay.shares[c].owned_kv),
-                                                              spec.window, device)
+                                                              spec.window)
                       for c in members if c != me}
         self.forward_steps = lay.exchange(spec, "forward").steps
         self.backward_steps = lay.exchange(spec, "backward").steps
@@ -292,12 +319,12 @@ class _Ring:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, scale: float):
-        out, lse = attention_with_lse(q, k, v, ring.local_mask, scale)
+        out, lse = attend(q, k, v, ring.local_mask, scale)
         held = ring.own(k, v)
         for step in ring.forward_steps:
             for key, kv in ring.step(step, held, k, ring.comm.forward_phase()).items():
                 k_t, v_t = kv.chunk(2, -1)
-                out, lse = merge(out, lse, *attention_with_lse(q, k_t, v_t, ring.masks[key[1]], scale))
+                out, lse = merge(out, lse, *attend(q, k_t, v_t, ring.masks[key[1]], scale))
                 held[key] = kv
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
@@ -307,7 +334,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
-        dq, dk, dv = attention_backward(q, k, v, ring.local_mask, scale, out, lse, grad_out)
+        dq, dk, dv = tile_backward(q, k, v, ring.local_mask, scale, out, lse, grad_out)
         held = ring.own(k, v)
         for step in ring.backward_steps:
             got = ring.step(step, held, k, "backward")
@@ -315,8 +342,8 @@ class _RingAttention(torch.autograd.Function):
                 if payload != "kv":
                     continue
                 k_t, v_t = kv.chunk(2, -1)
-                dq_t, dk_t, dv_t = attention_backward(q, k_t, v_t, ring.masks[rows], scale, out,
-                                                      lse, grad_out)
+                dq_t, dk_t, dv_t = tile_backward(q, k_t, v_t, ring.masks[rows], scale, out,
+                                                 lse, grad_out)
                 dq += dq_t
                 partial = torch.cat([dk_t, dv_t], -1)  # this rank's share of the owner's dK/dV
                 if ("dkv", rows) in got:
