@@ -2,11 +2,14 @@
 
     csbp run --model tiny --seq-len 1024 --block-size 64 --plan cp=2,bp=2 --steps 3 --json
     csbp run --plan plan.json --steps 10 --out result.json
+    csbp run --model nemotron-diffusion-8b --seq-len 64k --plan cp=8,bp=8 --emulate-rank 3 --layers 2
 
 One process per rank: gloo on CPU, NCCL when there is a GPU per rank. Processes are spawned here
 and joined with a timeout, so a stuck collective fails the run instead of hanging it. World sizes
 above the core count are allowed (ranks then share cores; the result says so). When a rank fails
 or dies, every rank is stopped and the run ends with one line naming the rank and the step.
+`--emulate-rank R` runs rank R of the plan alone on this device instead, its collectives
+answered locally, each op timed beside the step graph's prediction (`runtime.emulate`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint every K steps (default: only after the last step)")
     p.add_argument("--resume", metavar="DIR", help="continue from the newest checkpoint in DIR "
                    "(same model and seed; plan and world size may differ)")
+    p.add_argument("--emulate-rank", type=int, default=None, metavar="R",
+                   help="run only rank R of the plan, alone on this device, with its collectives "
+                        "answered by local buffers of the received size; report per-op times, "
+                        "peak memory and the step graph's prediction for that rank")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="keep only the model's first N layers")
+    p.add_argument("--hardware", default=None,
+                   help="profile the emulated rank's prediction is priced on (default: h200 on "
+                        "a GPU, cpu-measured on CPU)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -77,6 +89,7 @@ def is_plan_file(text: str | None) -> bool:
 def job_from_args(args: argparse.Namespace):
     """The job the flags (or the plan file) describe, checked before any process starts."""
     from csbp.runtime import checkpoint
+    from csbp.runtime.emulate import cut_layers
     from csbp.simulator import planfile
     from csbp.runtime.model import check_supported
     from csbp.runtime.plans import check_supported as check_plan_supported
@@ -104,6 +117,7 @@ def job_from_args(args: argparse.Namespace):
     if (args.checkpoint_dir or args.resume) and (plan.tp > 1 or plan.ep > 1):
         raise InputError(f"checkpoints of sliced weights (tp={plan.tp}, ep={plan.ep}) are not "
                          "supported by the runtime yet: checkpoint a plan without TP and EP")
+    model = cut_layers(model, getattr(args, "layers", None))
     job = Job(model, workload, plan, steps=args.steps, warmup=args.warmup, seed=args.seed,
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
     if args.resume:
@@ -160,6 +174,10 @@ def pick_device(choice: str, world: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from csbp.runtime.train import notes_for, summarize
 
+    if args.emulate_rank is not None:
+        return emulate_rank(args)
+    if args.hardware is not None:
+        raise InputError("--hardware prices an emulated rank: use it with --emulate-rank")
     job = job_from_args(args)
     device = pick_device(args.device, job.plan.world)
     check_host(job, device)
@@ -169,6 +187,38 @@ def run(args: argparse.Namespace) -> int:
         print(f"csbp: error: {err}", file=sys.stderr)
         return 1
     print_result(summarize(job, reports, device, notes_for(job, device, job.plan.world)), args)
+    return 0
+
+
+def emulate_rank(args: argparse.Namespace) -> int:
+    """`--emulate-rank R`: rank R of the plan alone on this device (runtime.emulate)."""
+    import torch
+
+    from csbp.runtime.allocator import keep_freed_memory
+    from csbp.runtime.emulate import check_rank, emulate, print_emulation
+    from csbp.runtime.train import RankFailure
+    from csbp.simulator.hardware import load_profile
+
+    if args.checkpoint_dir or args.resume:
+        raise InputError("--emulate-rank runs one rank alone: it neither writes nor resumes "
+                         "checkpoints")
+    job = job_from_args(args)
+    check_rank(job, args.emulate_rank)
+    device = pick_device(args.device, 1)
+    profile = load_profile(args.hardware or ("h200" if device == "cuda" else "cpu-measured"))
+    if device == "cpu":
+        keep_freed_memory()  # as a CPU rank of `csbp run` does
+    try:
+        result = emulate(job, args.emulate_rank, torch.device(device), profile).to_json()
+    except RankFailure as err:
+        print(f"csbp: error: {err}", file=sys.stderr)
+        return 1
+    if args.out:
+        Path(args.out).write_text(dumps(result) + "\n")
+    if args.json:
+        print_json(result)
+    else:
+        print_emulation(result)
     return 0
 
 
