@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 # the step graph's traffic categories (simulator/graph.py): K/V exchange, gradient sums, tensor-
-# parallel activations, expert-parallel tokens, the rest (the step's loss)
-CATEGORIES = ("attention-kv", "gradients", "tp", "ep", "other")
+# parallel activations, expert-parallel tokens, the rest (the step's loss), ZeRO's gathers of
+# updated parameters
+CATEGORIES = ("attention-kv", "gradients", "tp", "ep", "other", "params")
 PHASES = ("forward", "recompute", "backward")
 
 # torch 2.13 renames these (the old names warn); older releases only have the old names.
@@ -36,6 +37,12 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _share(nbytes: int, size: int) -> int:
+    """(P-1)/P of a buffer: what each member of a ring all-gather or reduce-scatter receives.
+    Exact for equal shards; rounded to the byte (as the graph's counts are) for padded ones."""
+    return round((size - 1) * nbytes / size)
 
 
 class CollectiveError(RuntimeError):
@@ -92,23 +99,30 @@ class Comm:
             self.attention_received[phase] += received
 
     def all_gather(self, shard: torch.Tensor, group: dist.ProcessGroup, category: str,
-                   phase: str | None = None) -> torch.Tensor:
-        """Equal shards of every group member, stacked along dim 0 in group rank order."""
+                   phase: str | None = None, padding: int = 0) -> torch.Tensor:
+        """Equal shards of every group member, stacked along dim 0 in group rank order.
+
+        `padding`: elements of the gathered whole that only round it up to equal shards (ZeRO's
+        flat buffers); not traffic, so the count is (P-1)/P of the rest, as the graph's.
+        """
         size = dist.get_world_size(group)
         out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
         with _calling("all_gather"):
             _all_gather(out, shard.contiguous(), group=group)
-        self._count(category, (size - 1) * _nbytes(shard), (size - 1) * _nbytes(shard), phase)
+        volume = _share(size * _nbytes(shard) - padding * shard.element_size(), size)
+        self._count(category, volume, volume, phase)
         return out
 
     def reduce_scatter(self, full: torch.Tensor, group: dist.ProcessGroup, category: str,
-                       phase: str | None = None) -> torch.Tensor:
-        """Sum over members of `full`, each member keeping its own 1/P slice of dim 0."""
+                       phase: str | None = None, padding: int = 0) -> torch.Tensor:
+        """Sum over members of `full`, each member keeping its own 1/P slice of dim 0
+        (`padding` as in `all_gather`)."""
         size = dist.get_world_size(group)
         out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
         with _calling("reduce_scatter"):
             _reduce_scatter(out, full.contiguous(), group=group)
-        self._count(category, (size - 1) * _nbytes(out), (size - 1) * _nbytes(out), phase)
+        volume = _share(_nbytes(full) - padding * full.element_size(), size)
+        self._count(category, volume, volume, phase)
         return out
 
     def all_to_all(self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],

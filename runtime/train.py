@@ -24,6 +24,7 @@ from csbp.runtime.allocator import resident_high_water, start_peak
 from csbp.runtime.comm import CATEGORIES, PHASES, CollectiveError, Comm
 from csbp.runtime.model import BlockDiffusionLM
 from csbp.runtime.plans import dp, parallelize, rank_work
+from csbp.runtime.sharded_optimizer import ShardedAdamW
 from csbp.simulator.graph import StepGraph
 from csbp.simulator.layout import Layout, attention_bytes_received, kv_row_bytes
 from csbp.simulator.plan import Plan
@@ -50,6 +51,7 @@ class Job:
     warmup: int = 1
     seed: int = 0
     capture_gradients: bool = False  # tests: one step, no update, return every gradient
+    capture_parameters: bool = False  # tests: return every weight after the steps
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step
     resume_from: str | None = None  # a checkpoint's step directory
@@ -97,6 +99,7 @@ class RankReport:
     gradients: dict[str, np.ndarray] | None = field(default=None, repr=False)
     # tensor parallelism: (dim, start, stop) in the whole weight of each gradient that is a slice
     gradient_slices: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    parameters: dict[str, np.ndarray] | None = field(default=None, repr=False)  # after the steps
     rss_peak_bytes: int = field(default_factory=lambda: _rss_peak())  # the report is made last
 
 
@@ -137,11 +140,19 @@ def predicted_by_phase(job: Job, ctx_rank: int, layout: Layout) -> dict[str, int
             for ph in PHASES}
 
 
+def zero_stage(job: Job) -> int:
+    """The ZeRO stage the runtime runs: the workload's, except replicated AdamW (0) where the
+    whole state must be on every rank: a gradient capture (each rank returns the whole summed
+    gradient) and checkpoints (`runtime.checkpoint` stores replicated state)."""
+    if job.capture_gradients or job.checkpoint_dir or job.resume_from:
+        return 0
+    return job.workload.zero_stage
+
+
 def predicted_bytes(job: Job) -> list[dict[str, int]]:
     """The step graph's bytes received in one step per category, for each context rank (its TP,
-    EP and DP copies receive the same), for the plan as the runtime runs it: replicated AdamW,
-    so without the ZeRO stage's sharded gradients and parameter gathers."""
-    w = job.workload.model_copy(update={"zero_stage": 0})
+    EP and DP copies receive the same), for the plan as the runtime runs it (`zero_stage`)."""
+    w = job.workload.model_copy(update={"zero_stage": zero_stage(job)})
     layout = Layout.build(w, job.plan)
     graph = StepGraph.build(job.model, w, job.plan, layout, gpus_per_node=job.plan.world)
     received = graph.received_bytes()
@@ -166,7 +177,13 @@ class Trainer:
         self.model = BlockDiffusionLM(job.model, job.seed, job.workload.checkpointing == "full")
         self.slices = parallelize(self.model, self.work)  # this rank's experts, TP slices
         self.model.to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
+        self.wire = AUTOCAST.get(job.workload.dtype, torch.float32)  # gradients travel in it
+        if zero_stage(job):  # weights in the compute dtype, fp32 master + moments sharded
+            self.model.to(self.wire)
+            self.optimizer = ShardedAdamW(self.model, self.work.mesh, self.comm, self.wire,
+                                          lr=LEARNING_RATE)
+        else:  # replicated fp32 weights and AdamW (autocast computes in the dtype)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
 
     def forward_backward(self, step: int) -> float:
         """Loss and summed gradients of one step; returns the global loss.
@@ -182,7 +199,10 @@ class Trainer:
             loss = self.fault.strike(self.rank, step, loss)
         with self.comm.backward():
             loss.backward()
-        dp.all_reduce_gradients(self.model, self.comm, self.work.mesh, dtype or torch.float32)
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.reduce_gradients()
+        else:
+            dp.all_reduce_gradients(self.model, self.comm, self.work.mesh, self.wire)
         part = loss.detach().float().reshape(1)
         total = part.clone()
         if self.work.mesh.dense.size > 1:  # one TP rank's peers hold the parts of the loss
@@ -245,11 +265,14 @@ class Trainer:
         grads = ({name: p.grad.detach().double().cpu().numpy()
                   for name, p in self.model.named_parameters() if p.grad is not None}
                  if job.capture_gradients else None)
+        params = ({name: p.detach().double().cpu().numpy()
+                   for name, p in self.model.named_parameters()}
+                  if job.capture_parameters else None)
         return RankReport(self.rank, ctx, losses, times, _peak_memory(self.device),
                           dict(self.comm.sent), dict(self.comm.received),
                           dict(self.comm.attention_received), predicted * w.micro_batch,
                           predicted_by_phase(job, ctx, lay), predicted_bytes(job)[ctx], grads,
-                          self.slices)
+                          self.slices, params)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -309,12 +332,24 @@ def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]
     }
 
 
+def optimizer_note(job: Job) -> str:
+    stage = zero_stage(job)
+    if stage:
+        return (f"optimizer: ZeRO-{stage} AdamW (runtime.sharded_optimizer): gradients "
+                "reduce-scattered and updated weights all-gathered over each data-parallel "
+                f"group, fp32 master weights and moments sharded, weights in {job.workload.dtype}"
+                + ("; ZeRO-1 runs as ZeRO-2" if stage == 1 else ""))
+    why = ("" if not job.workload.zero_stage else
+           f" (zero_stage={job.workload.zero_stage} not used: checkpoints hold replicated state; "
+           "also in the prediction)")
+    return "optimizer: replicated AdamW, fp32 weights" + why
+
+
 def notes_for(job: Job, device: str, world: int) -> list[str]:
     notes = ["bytes are per step: each rank's logical traffic (gloo's reduce-scatter moves more "
              "on the wire); all-reduces count a ring's 2(P-1)/P of the buffer each way; "
              "predicted: the step graph's bytes for each rank",
-             "optimizer: replicated AdamW (ZeRO sharding not implemented in the runtime; "
-             f"zero_stage={job.workload.zero_stage} ignored, also in the prediction)"]
+             optimizer_note(job)]
     if job.plan.ep > 1:
         notes.append("ep bytes follow this step's routing; the prediction assumes balanced "
                      "routing (each rank sending each peer top_k x tokens / ep rows), so they "

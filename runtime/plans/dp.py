@@ -25,7 +25,8 @@ def sequences(replica: int, micro_batch: int) -> range:
     return range(replica * micro_batch, (replica + 1) * micro_batch)
 
 
-def _sum(params: list[torch.nn.Parameter], peers: Peers, comm: Comm, dtype: torch.dtype) -> None:
+def sum_gradients(params: list[torch.nn.Parameter], peers: Peers, comm: Comm,
+                  dtype: torch.dtype) -> None:
     """Sum the gradients of `params` over `peers` in one flat buffer (absent ones count as zero)."""
     if not params or peers.size == 1:
         return
@@ -36,17 +37,22 @@ def _sum(params: list[torch.nn.Parameter], peers: Peers, comm: Comm, dtype: torc
         p.grad = g.view_as(p)
 
 
+def routed_parameters(model: torch.nn.Module) -> set[int]:
+    """ids of the routed experts' weights (summed over the experts' peers, not the dense ones)."""
+    return {id(p) for m in model.modules() if isinstance(m, (Experts, ExpertParallelExperts))
+            for p in m.parameters()}
+
+
 def all_reduce_gradients(model: torch.nn.Module, comm: Comm, mesh: Mesh,
                          dtype: torch.dtype = torch.float32) -> None:
     """Sum every trained weight's gradient over the ranks that share it (module docstring)."""
-    routed = {id(p) for m in model.modules() if isinstance(m, (Experts, ExpertParallelExperts))
-              for p in m.parameters()}
+    routed = routed_parameters(model)
     params = [p for p in model.parameters() if p.requires_grad]
     dense = [p for p in params if id(p) not in routed]
     experts = [p for p in params if id(p) in routed]
     if mesh.dense == mesh.experts:  # no TP or EP: one buffer, one call
-        _sum(dense + experts, mesh.dense, comm, dtype)
+        sum_gradients(dense + experts, mesh.dense, comm, dtype)
     else:
-        _sum(dense, mesh.dense, comm, dtype)
-        _sum(experts, mesh.experts, comm, dtype)
-    _sum([p for p in dense if getattr(p, "sequence_parallel", False)], mesh.tp, comm, dtype)
+        sum_gradients(dense, mesh.dense, comm, dtype)
+        sum_gradients(experts, mesh.experts, comm, dtype)
+    sum_gradients([p for p in dense if getattr(p, "sequence_parallel", False)], mesh.tp, comm, dtype)
