@@ -34,7 +34,6 @@ from csbp.runtime.mesh import coordinates
 from csbp.simulator.errors import InputError
 
 GIB = 1024**3
-SYNTHETIC_SCALE = 0.5  # received rows: finite, O(1) values like the K/V, activations, grads [U]
 COLLECTIVE = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
               "all_to_all": "all-to-all", "send_recv": "p2p", "all_reduce": "all-reduce"}
 LAYER_OPS = ("qkv", "attention", "out-proj", "mlp", "elementwise")
@@ -63,15 +62,21 @@ class CommCall:
 
 class LocalComm(Comm):
     """`Comm` for one rank of a `world`-rank plan with no peers: every collective returns a
-    buffer of the size the rank would receive, its own slot holding its own data and the rest
-    synthetic; the byte counters move exactly as `Comm`'s do."""
+    buffer of the size the rank would receive, its own slot holding its own data and the peers'
+    slots synthetic; the byte counters move exactly as `Comm`'s do.
 
-    def __init__(self, world: int, rank: int, seed: int = 0) -> None:
-        self.world, self.rank, self.seed = world, rank, seed
+    Synthetic contents [U]: this rank's own rows of the same tensor, repeated (what it sends, or
+    its own slot): finite, of the right dtype and scale (K/V, hidden states, gradients, ZeRO's
+    updated weights), so the step stays numerically sane for as many steps as it runs; a sum
+    over peers (reduce-scatter) is this rank's part times the group size, an all-reduce leaves
+    this rank's part as the sum.
+    """
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank = world, rank
         self.calls: list[CommCall] = []
-        self.listener = None  # step_begin(), backward_begin(), backward_end()
+        self.listener = None  # step_begin(), backward_end(): the Clock
         self._after_backward = False
-        self._pools: dict[tuple, torch.Tensor] = {}
         super().__init__(None)
 
     # the step's milestones, as train.Trainer marks them through its comm
@@ -83,8 +88,6 @@ class LocalComm(Comm):
 
     @contextmanager
     def backward(self) -> Iterator[None]:
-        if self.listener:
-            self.listener.backward_begin()
         with super().backward():
             yield
         self._after_backward = True
@@ -97,20 +100,6 @@ class LocalComm(Comm):
     def _members(self, group) -> tuple[int, ...]:
         return tuple(range(self.world)) if group is None else group.ranks
 
-    def _synthetic(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A fresh buffer of `shape` (what a receive writes), filled from a random pool."""
-        n = math.prod(shape)
-        key = (like.device, like.dtype)
-        pool = self._pools.get(key)
-        if pool is None or pool.numel() < n:
-            size = max(n, 2 * (0 if pool is None else pool.numel()), 1)
-            gen = torch.Generator(device=like.device).manual_seed(self.seed)
-            pool = (torch.randn(size, generator=gen, device=like.device) * SYNTHETIC_SCALE
-                    ).to(like.dtype) if like.is_floating_point() else torch.zeros(
-                        size, dtype=like.dtype, device=like.device)
-            self._pools[key] = pool
-        return pool[:n].view(shape).clone()
-
     def _record(self, op: str, category: str, phase: str | None, before: tuple) -> None:
         sent, received = before
         self.calls.append(CommCall(op, category, phase, self.received[category] - received,
@@ -120,31 +109,30 @@ class LocalComm(Comm):
     def _snapshot(self, category: str) -> tuple[int, int]:
         return self.sent[category], self.received[category]
 
-    def all_gather(self, shard, group, category, phase=None):
+    def all_gather(self, shard, group, category, phase=None, padding=0):
         members = self._members(group)
-        size, me, rows = len(members), members.index(self.rank), shard.shape[0]
+        size, rows = len(members), shard.shape[0]
         before = self._snapshot(category)
-        out = self._synthetic((size * rows, *shard.shape[1:]), shard)
-        out[me * rows:(me + 1) * rows] = shard
-        nbytes = shard.numel() * shard.element_size()
-        self._count(category, (size - 1) * nbytes, (size - 1) * nbytes, phase)
+        out = _repeated((size * rows, *shard.shape[1:]), shard)  # own slot: its own shard
+        volume = _share(size * _nbytes(shard) - padding * shard.element_size(), size)
+        self._count(category, volume, volume, phase)
         self._record("all_gather", category, phase, before)
         return out
 
-    def reduce_scatter(self, full, group, category, phase=None):
+    def reduce_scatter(self, full, group, category, phase=None, padding=0):
         members = self._members(group)
         size, me = len(members), members.index(self.rank)
         before = self._snapshot(category)
         rows = full.shape[0] // size
-        out = full[me * rows:(me + 1) * rows] + self._synthetic((rows, *full.shape[1:]), full)
-        nbytes = out.numel() * out.element_size()
-        self._count(category, (size - 1) * nbytes, (size - 1) * nbytes, phase)
+        out = full[me * rows:(me + 1) * rows] * size
+        volume = _share(_nbytes(full) - padding * full.element_size(), size)
+        self._count(category, volume, volume, phase)
         self._record("reduce_scatter", category, phase, before)
         return out
 
     def all_to_all(self, rows, send_splits, recv_splits, me, group, category, phase=None):
         before = self._snapshot(category)
-        out = self._synthetic((sum(recv_splits), *rows.shape[1:]), rows)
+        out = _repeated((sum(recv_splits), *rows.shape[1:]), rows)
         start_in, start_out = sum(send_splits[:me]), sum(recv_splits[:me])
         own = min(send_splits[me], recv_splits[me])
         out[start_out:start_out + own] = rows[start_in:start_in + own]
@@ -156,21 +144,48 @@ class LocalComm(Comm):
 
     def send_recv(self, sends, recv_numel, like, category, phase=None):
         before = self._snapshot(category)
-        received = {peer: self._synthetic((n,), like) for peer, n in recv_numel.items()}
-        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-        self._count(category, sum(map(nbytes, sends.values())),
-                    sum(map(nbytes, received.values())), phase)
+        source = next(iter(sends.values()), like)
+        received = {peer: _repeated((n,), source if source.numel() else like)
+                    for peer, n in recv_numel.items()}
+        self._count(category, sum(map(_nbytes, sends.values())),
+                    sum(map(_nbytes, received.values())), phase)
         self._record("send_recv", category, phase, before)
         return received
 
     def all_reduce(self, t, category, group=None, op="sum"):
         size = len(self._members(group))
         before = self._snapshot(category)
-        if size > 1:  # the sum of the peers' parts is synthetic: this rank's part stands for it
-            volume = 2 * (size - 1) * t.numel() * t.element_size() // size
+        if size > 1:
+            volume = 2 * (size - 1) * _nbytes(t) // size
             self._count(category, volume, volume)
         self._record("all_reduce", category, None, before)
         return t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _share(nbytes: int, size: int) -> int:
+    """(P-1)/P of a buffer, rounded to the byte: what `Comm` counts for a ring collective."""
+    return round((size - 1) * nbytes / size)
+
+
+def _repeated(shape: tuple[int, ...], source: torch.Tensor) -> torch.Tensor:
+    """A fresh buffer of `shape` holding `source`'s elements over and over (doubling copies:
+    one write of the buffer, as a receive does); zeros when `source` is empty."""
+    out = torch.empty(shape, dtype=source.dtype, device=source.device)
+    flat, src = out.view(-1), source.reshape(-1)
+    n = flat.numel()
+    if src.numel() == 0:
+        return out.zero_()
+    filled = min(n, src.numel())
+    flat[:filled] = src[:filled]
+    while filled < n:
+        more = min(filled, n - filled)
+        flat[filled:filled + more] = flat[:more]
+        filled += more
+    return out
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -256,9 +271,6 @@ class Clock:
     def step_begin(self) -> None:
         self.spans, self.at_backward_end = [], []
         self.origin = self.stamp()
-
-    def backward_begin(self) -> None:
-        pass
 
     def backward_end(self) -> None:
         for span in self.at_backward_end:
@@ -360,15 +372,16 @@ def instrument(trainer, clock: Clock) -> None:
     _time_module(model.embed, clock, None, "embed")
     _time_module(model.lm_head, clock, None, "lm-head")
     trainer.work.attention = _TimedAttention(trainer.work.attention, clock)
-    spans: list[_Span] = []
-    trainer.optimizer.register_step_pre_hook(
-        lambda *_: spans.append(clock.open(("optimizer", None, "optimizer"))))
+    step = trainer.optimizer.step  # ZeRO's sharded AdamW is no torch Optimizer: wrap the call
 
-    def after_step(*_):
-        clock.close(spans.pop())
+    def timed_step(*args, **kwargs):
+        span = clock.open(("optimizer", None, "optimizer"))
+        out = step(*args, **kwargs)
+        clock.close(span)
         clock.step_end()
+        return out
 
-    trainer.optimizer.register_step_post_hook(after_step)
+    trainer.optimizer.step = timed_step
 
 
 def measured_ops(seconds: dict[Key, float], total: float) -> dict[Key, float]:
@@ -416,9 +429,11 @@ def graph_group(op) -> Key | None:
     return (op.phase, op.layer, group)
 
 
-def runtime_workload(workload):
-    """The workload as the runtime executes it: replicated AdamW (train.predicted_bytes)."""
-    return workload.model_copy(update={"zero_stage": 0})
+def runtime_workload(job):
+    """The workload as the runtime executes it (its ZeRO stage: `train.zero_stage`)."""
+    from csbp.runtime.train import zero_stage
+
+    return job.workload.model_copy(update={"zero_stage": zero_stage(job)})
 
 
 @dataclass
@@ -436,7 +451,7 @@ def predict(job, ctx: int, profile) -> Prediction:
     from csbp.simulator.layout import Layout
     from csbp.simulator.memory import estimate_memory
 
-    w = runtime_workload(job.workload)
+    w = runtime_workload(job)
     layout = Layout.build(w, job.plan)
     graph = StepGraph.build(job.model, w, job.plan, layout, profile.node.gpus_per_node)
     ops: dict[Key, float] = {}
@@ -594,12 +609,13 @@ def _trainer_comm(comm: LocalComm):
 
 def emulate(job, rank: int, device: torch.device, profile) -> Emulation:
     """Run rank `rank` of `job` alone on `device`; time its ops; predict them on `profile`."""
+    from csbp.runtime import memory_tracker
     from csbp.runtime.train import Trainer
 
     check_rank(job, rank)
     ctx = coordinates(job.plan, rank)["ctx"]
     prediction = predict(job, ctx, profile)  # bad input surfaces before any weight is made
-    comm = LocalComm(job.plan.world, rank, job.seed)
+    comm = LocalComm(job.plan.world, rank)
     with _trainer_comm(comm):
         trainer = Trainer(job, rank, device)
     clock = Clock(device, comm)
@@ -618,8 +634,8 @@ def emulate(job, rank: int, device: torch.device, profile) -> Emulation:
         step_time_s=statistics.median(report.step_times_s), prediction=prediction,
         collectives=_emulated_collectives(comm.calls), peak_memory_bytes=report.peak_memory_bytes,
         memory_measure=("torch.cuda.max_memory_allocated after warm-up" if cuda else
-                        "process resident high-water mark (VmHWM): interpreter, torch and the "
-                        "step together"),
+                        "live tensor bytes at their peak (runtime.memory_tracker, first "
+                        f"{memory_tracker.STEPS} steps)"),
         positions=share.n_positions, noisy_blocks=len(share.noisy_blocks),
         notes=_notes(job, cuda))
 
@@ -638,20 +654,22 @@ def _emulated_collectives(calls: list[CommCall]) -> dict[tuple[str, str, str], d
 
 
 def _notes(job, cuda: bool) -> list[str]:
-    notes = ["collectives are local buffers of the received size with synthetic contents: their "
-             "bytes are the real rank's, their time is not measured (the copy into the buffer "
-             "lands in the op that called it)",
+    from csbp.runtime.train import optimizer_note
+
+    notes = ["collectives are local buffers of the received size (contents: the rank's own rows "
+             "repeated): their bytes are the real rank's, their time is not measured (the copy "
+             "into the buffer lands in the op that called it)",
              "measured ops: spans around the runtime's modules and attention calls; a block's "
              "elementwise op is its span minus its GEMMs and attention; `other` is the step "
              "minus every span (loss, batch, gradient sums, synthetic receives)",
              "predicted ops: the step graph's compute ops for this context rank, priced one by "
-             "one (no overlap), grouped by phase, layer and kind; optimizer replicated (ZeRO "
-             "not run by the runtime, zero_stage 0 in the prediction)",
+             "one (no overlap), grouped by phase, layer and kind",
+             optimizer_note(job),
              "predicted_peak_memory_gib excludes the profile's reserved memory (context, "
              "fragmentation), as the measured allocator peak does"]
     if not cuda:
-        notes.append("CPU: wall clock per op; the allocator is the process's (peak includes "
-                     "the interpreter)")
+        notes.append("CPU: wall clock per op; the memory tracker slows the steps it tracks "
+                     "(warm up past them for timings)")
     return notes
 
 
