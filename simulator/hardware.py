@@ -82,6 +82,9 @@ class GPU(BaseModel):
     name: str
     memory_gib: Positive  # HBM capacity
     reserved_gib: Annotated[float, Field(ge=0, strict=True), FIGURE]  # context, NCCL, fragmentation
+    # memory the allocator holds beyond live tensors (fragmentation, cached blocks), as a
+    # fraction of the live-tensor peak: reserved / allocated at the peak; None = 0
+    allocator_overhead: Annotated[float | None, Field(ge=0, le=1, strict=True), FIGURE] = None
     peak_tflops: Positive  # dense bf16 tensor peak
     hbm_gbs: Positive
     hbm_efficiency: Fraction  # fraction of hbm_gbs memory-bound kernels reach

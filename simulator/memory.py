@@ -1,23 +1,25 @@
-"""Peak memory per rank: weights, gradients, optimizer state, activations, K/V buffers, logits.
+"""Peak memory per rank, as the planner and `csbp simulate` read it: `MemoryEstimate`.
 
-Counted at the start of the backward pass, where everything is alive at once: all weight-side
-state, every saved activation, the gathered K/V and dK/dV of one layer, one loss chunk. Sizes
-follow the layout (the tokens each rank holds, the K/V rows it receives), so CP, BP and CSBP
-differ exactly where their layouts do; pure BP holds its replicated clean prefix.
+The peak is the maximum over the step of the live tensor bytes (`memory_timeline` walks the step
+in program order), on each rank of the layout, plus what the allocator adds on top of live
+tensors (`gpu.allocator_overhead` of the profile) and the reserved memory. A plan fits when that
+total is within the GPU's memory; when it does not, the reason names the rank, the phase and op
+of the peak and what is alive there. Sizes follow the layout (the tokens each rank holds, the
+K/V rows it receives), so CP, BP and CSBP differ exactly where their layouts do; pure BP holds
+its replicated clean prefix.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
-from csbp.simulator import kv_rows
+from csbp.simulator import kv_rows, memory_timeline
 from csbp.simulator.hardware import HardwareProfile
-from csbp.simulator.layout import Layout, kv_row_bytes
+from csbp.simulator.layout import Layout
 from csbp.simulator.objectives import objective_shape
 from csbp.simulator.plan import Plan
 from csbp.simulator.result import GIB
@@ -25,7 +27,8 @@ from csbp.simulator.spec import AttentionSpec, ModelSpec
 from csbp.simulator.workload import Workload
 
 # fp32 master weights + Adam m and v (mixed-precision AdamW): 4 + 4 + 4 bytes per parameter.
-OPTIMIZER_BYTES_PER_PARAM = 12
+OPTIMIZER_BYTES_PER_PARAM = memory_timeline.MASTER_BYTES_PER_PARAM + memory_timeline.ADAM_BYTES_PER_PARAM
+LABELS = memory_timeline.LABELS
 
 
 def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
@@ -41,15 +44,21 @@ def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     chunk = math.ceil(tokens / math.ceil(vocab / hidden))
     return min(tokens, 1 << (chunk - 1).bit_length())
 
-LABELS = {"activations": "activations", "params": "params", "grads": "grads",
-          "optimizer": "optimizer", "kv_buffers": "K/V buffers", "logits": "logits"}
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
-    parts: dict[str, np.ndarray]  # GiB per rank by component, reserved included
+    """Every rank's peak from the step's live-tensor timeline (`memory_timeline`).
+
+    `parts`: GiB per rank by category at that rank's own peak moment, plus what the allocator
+    adds over the live bytes (fragmentation, the profile's `gpu.allocator_overhead`) and the
+    reserved memory (context, communicator buffers). `allocated_gib` is the live-tensor peak
+    alone: what `torch.cuda.max_memory_allocated` (or the CPU runtime's tracker) measures.
+    """
+
+    parts: dict[str, np.ndarray]  # GiB per rank by category, allocator and reserved included
     capacity_gib: float
     reserved_gib: float
+    allocated: np.ndarray = None  # GiB per rank: the live-tensor peak
+    moments: tuple = ()  # per rank: the memory_timeline.Moment of its peak
 
     @cached_property
     def per_rank(self) -> tuple[dict[str, float], ...]:
@@ -75,6 +84,32 @@ class MemoryEstimate:
         return max(self.totals_gib)
 
     @property
+    def allocated_gib(self) -> float:
+        """The live-tensor peak of the peak rank (what an allocated-bytes counter measures)."""
+        return float(self.allocated[self.peak_rank])
+
+    @property
+    def max_allocated_gib(self) -> float:
+        """The largest live-tensor peak over ranks (runtimes report the max over ranks)."""
+        return float(np.max(self.allocated))
+
+    @property
+    def peak_at(self) -> dict:
+        """Where the peak rank peaks: rank, phase, op and layer (None outside the layers)."""
+        r = self.peak_rank
+        m = self.moments[r] if self.moments else None
+        return {"rank": r, "phase": m.phase if m else None, "op": m.op if m else None,
+                "layer": m.layer if m else None}
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """GiB by category at the peak rank's peak, largest first (reserved last)."""
+        parts = self.rank(self.peak_rank)
+        reserved = parts.pop("reserved", 0.0)
+        out = dict(sorted(((k, v) for k, v in parts.items() if v > 0), key=lambda kv: -kv[1]))
+        return out | {"reserved": reserved}
+
+    @property
     def feasible(self) -> bool:
         return self.peak_gib <= self.capacity_gib
 
@@ -85,62 +120,24 @@ class MemoryEstimate:
         r = self.peak_rank
         parts = {k: v for k, v in self.rank(r).items() if k != "reserved"}
         need = sum(parts.values())
-        shown = ", ".join(f"{LABELS[k]} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+        shown = ", ".join(f"{LABELS.get(k, k)} {v:.1f}"
+                          for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.05)
         usable = self.capacity_gib - self.reserved_gib
-        return (f"infeasible: needs {need:.1f} GiB per GPU on rank {r} ({shown}) > {usable:.1f} GiB "
+        where = f" at {self.moments[r].describe()}" if self.moments else ""
+        return (f"infeasible: needs {need:.1f} GiB on rank {r}{where} ({shown}) > {usable:.1f} GiB "
                 f"usable ({self.capacity_gib:.1f} GiB HBM - {self.reserved_gib:.1f} reserved)")
 
 
-def saved_bytes_per_token(model: ModelSpec, a: AttentionSpec, dtype_bytes: int, tp: int) -> float:
-    """Activations one layer keeps per token for its backward (no recompute), under TP/SP.
-
-    Megatron-style accounting (Korthikanti et al., arXiv 2205.05198) with FlashAttention (no
-    score matrix): the two norm inputs and the two GEMM inputs (4h), q, k, v and the attention
-    output (softmax) or q, k, v, gate and output (linear attention), the FFN's gate, up and
-    activation (or per routed copy: its input and those three), all sharded over TP/SP; plus the
-    fp32 log-sum-exp per head.
-    """
-    h = model.hidden
-    if a.kind == "linear":
-        mixer = 2 * a.n_kv_heads * a.head_dim + 3 * a.n_heads * a.head_dim
-    else:
-        q = a.n_heads * a.head_dim
-        mixer = 2 * q + a.kv_width * a.kv_tensors
-    if model.moe:
-        moe = model.moe
-        ffn = moe.top_k * (h + 3 * moe.expert_ffn) + 3 * moe.dense_ffn
-    else:
-        ffn = 3 * model.ffn
-    lse = 4 * a.n_heads if a.kind != "linear" else 0
-    return ((4 * h + mixer + ffn) * dtype_bytes + lse) / tp
-
-
-def kv_buffer_rows(layout: Layout, a: AttentionSpec, rank: int) -> int:
-    """Rows of remote K/V a rank holds at once for one layer (a ring keeps two steps in flight)."""
-    held = kv_rows.held_at_once(layout, a)[rank]
-    return int(2 * held if kv_rows.pattern(layout, a, "forward") == "ring" else held)
-
-
 def weight_state(model: ModelSpec, workload: Workload, plan: Plan) -> dict[str, float]:
-    """Bytes of parameters, gradients and optimizer state per rank, sharded by ZeRO stage.
-
-    Frozen parameters (a drafter's embedding and LM head, shared with the target) are held in the
-    compute dtype and have neither gradients nor optimizer state.
-    """
-    sizes = _model_sizes(model)
-    frozen = sizes["embedding"] / plan.tp if objective_shape(workload, model).frozen_embeddings else 0.0
-    dense = sizes["dense"] / plan.tp - frozen
-    expert = model.n_layers * sizes["expert_layer"] / plan.ep
-    n_dense = plan.dp * plan.ctx * plan.ep  # ranks holding the same dense shard
-    n_expert = plan.dp * plan.ctx * plan.tp
-    z, dt = workload.zero_stage, workload.dtype_bytes
-    sharded = dense / n_dense + expert / n_expert
-    full = dense + expert
-    largest_layer = sizes["largest_layer"] / plan.tp + sizes["expert_layer"] / plan.ep
-    params = (full if z < 3 else sharded + 2 * largest_layer) * dt + frozen * dt  # ZeRO-3: gathered + prefetched layer
-    grads = full * dt if z < 2 else (sharded + 2 * largest_layer) * dt  # ZeRO-2/3: reduce buckets
-    optimizer = (full if z < 1 else sharded) * OPTIMIZER_BYTES_PER_PARAM
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    """Bytes of parameters, gradients (after the backward) and optimizer state (with the fp32
+    master copy under mixed precision) per rank, sharded by ZeRO stage
+    (`memory_timeline.weight_state`). Frozen parameters (a drafter's embedding and LM head,
+    shared with the target) are held in the compute dtype and have neither gradients nor
+    optimizer state."""
+    obj = objective_shape(workload, model)
+    w = memory_timeline.weight_state(model, workload.zero_stage, workload.dtype_bytes, plan,
+                                     obj.frozen_embeddings)
+    return {"params": w.params, "grads": w.grads, "optimizer": w.optimizer + w.master}
 
 
 _SIZES: dict[int, tuple[ModelSpec, dict[str, int]]] = {}
@@ -179,62 +176,45 @@ def loss_bytes(model: ModelSpec, loss_tokens: int, vocab_block: int | None, dtyp
     return loss_chunk_tokens(loss_tokens, vocab, model.hidden) * vocab * dtype_bytes
 
 
-def dense_score_bytes(layout: Layout, a: AttentionSpec, rank: int, micro_batch: int,
-                      dtype_bytes: int, tp: int, copies: float) -> float:
-    """Peak bytes of one layer's explicit attention on `rank` (the CPU runtime materialises the
-    queries x keys scores per head): `copies` score matrices (measured: autograd's saved
-    scores, the temporaries of forward and backward, the allocator's fragmentation) of its
-    queries against its own positions and the K/V rows it holds at once (all received rows;
-    one shard per step of a ring)."""
-    return float(_dense_score_bytes(layout, a, micro_batch, dtype_bytes, tp, copies)[rank])
-
-
-def _dense_score_bytes(layout: Layout, a: AttentionSpec, micro_batch: int, dtype_bytes: int,
-                       tp: int, copies: float) -> np.ndarray:
-    positions = kv_rows.held(layout, "positions")
-    keys = positions + kv_rows.held_at_once(layout, a)
-    return copies * micro_batch * positions * keys * a.n_heads / tp * dtype_bytes
-
-
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                     profile: HardwareProfile) -> MemoryEstimate:
-    """Every rank at once: the same arithmetic per rank as a loop over ranks, on arrays."""
+    """Every rank's peak from one walk of the step (`memory_timeline.walk`)."""
     dt, tp, mb = workload.dtype_bytes, plan.tp, workload.micro_batch
-    weights = weight_state(model, workload, plan)
-    full_ckpt = workload.checkpointing == "full"
-    kinds = _model_sizes(model)["kinds"]  # identical layers hold identical buffers
     obj = objective_shape(workload, model)
-    tokens = kv_rows.held(layout, "positions") * mb
-    noisy = kv_rows.held(layout, "noisy") * mb
-    saved = {a: tokens * saved_bytes_per_token(model, a, dt, tp) for a in kinds}
-    kv = {a: kv_buffer_rows_all(layout, a) * mb * kv_row_bytes(a, dt, tp) for a in kinds}
-    hidden = tokens * model.hidden * dt / tp  # one hidden-state tensor, SP-sharded
-    if full_ckpt:
-        # every layer's input, plus one layer recomputed with its gathered K/V, the matching
-        # dK/dV buffer and the gradients flowing in and out of it
-        activations = model.n_layers * hidden + functools.reduce(np.maximum, saved.values()) + 2 * hidden
-        kv_buffers = 2 * functools.reduce(np.maximum, kv.values())
+    rows = getattr(obj, "rows_per_example", 1)  # examples packed as rows of one batch
+    batch = mb * rows
+    tokens = kv_rows.held(layout, "positions") * batch
+    noisy = kv_rows.held(layout, "noisy") * batch
+    sizes = memory_timeline.Sizes(tokens=tokens, noisy=noisy, hidden=tokens * model.hidden * dt / tp,
+                                  dt=dt, tp=tp, batch=batch)
+    eager = bool(profile.gpu.dense_attention)
+    weights = memory_timeline.weight_state(model, workload.zero_stage, dt, plan,
+                                           obj.frozen_embeddings, obj.frozen_router)
+    full_ckpt = workload.checkpointing == "full"
+    kinds = _model_sizes(model)["kinds"]
+    if eager:
+        loss = memory_timeline.masked_loss_bytes(model, noisy, dt, tp)
     else:
-        # every layer keeps its tensors and its gathered K/V; one dK/dV buffer at a time
-        activations = sum(n * saved[a] for a, n in kinds.items()) + 2 * hidden
-        kv_buffers = sum(n * kv[a] for a, n in kinds.items()) + functools.reduce(np.maximum, kv.values())
+        per = {n: loss_bytes(model, n, obj.vocab_block, dt, tp) for n in set(noisy.tolist())}
+        loss = np.array([per[n] for n in noisy.tolist()], dtype=float)
+    context = 0.0
     if obj.context_as_kv:
-        context = kv_rows.held(layout, "context") * mb
-        activations = activations + context_bytes(model, kinds, context, dt, tp, keep_kv=not full_ckpt)
-    logits = {n: loss_bytes(model, n, obj.vocab_block, dt, tp) for n in set(noisy.tolist())}
-    parts = {**weights, "activations": activations, "kv_buffers": kv_buffers,
-             "logits": np.array([logits[n] for n in noisy.tolist()])}
-    copies = profile.gpu.dense_score_copies
-    if profile.gpu.dense_attention and copies:
-        parts["attention_scores"] = functools.reduce(np.maximum, (
-            _dense_score_bytes(layout, a, mb, dt, tp, copies) for a in kinds))
+        held = kv_rows.held(layout, "context") * batch
+        context = context_bytes(model, kinds, held, dt, tp, keep_kv=not full_ckpt)
+    tl = memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
+                              workload.zero_stage)
+    peaks, where = tl.peaks()
     n = layout.size
-    gib = {k: v / GIB if isinstance(v, np.ndarray) else np.full(n, v / GIB) for k, v in parts.items()}
-    gib["reserved"] = np.full(n, float(profile.gpu.reserved_gib))
-    return MemoryEstimate(gib, profile.gpu.memory_gib, profile.gpu.reserved_gib)
-
-
-def kv_buffer_rows_all(layout: Layout, a: AttentionSpec) -> np.ndarray:
-    """`kv_buffer_rows` of every rank."""
-    held = kv_rows.held_at_once(layout, a)
-    return 2 * held if kv_rows.pattern(layout, a, "forward") == "ring" else held
+    parts: dict[str, np.ndarray] = {}
+    for m in np.unique(where):
+        ranks = np.flatnonzero(where == m)
+        for k, v in tl.parts[m].items():
+            if k not in parts:
+                parts[k] = np.zeros(n)
+            parts[k][ranks] = (v[ranks] if isinstance(v, np.ndarray) else v) / GIB
+    parts = {k: v for k, v in parts.items() if v.any()}
+    overhead = profile.gpu.allocator_overhead or 0.0
+    parts["allocator"] = peaks * overhead / GIB
+    parts["reserved"] = np.full(n, float(profile.gpu.reserved_gib))
+    return MemoryEstimate(parts, profile.gpu.memory_gib, profile.gpu.reserved_gib,
+                          allocated=peaks / GIB, moments=tuple(tl.moments[m] for m in where))

@@ -1,0 +1,442 @@
+"""Live tensor bytes of each rank over one training step, op by op, and where they peak.
+
+Why a timeline and not a sum: a step never holds everything at once. The forward stacks the
+checkpointed input of every layer; the backward frees them one layer at a time while gradients
+build up; a recomputed layer's activations, its gathered K/V and its attention scores live only
+around that layer's backward; the gradient sync and the optimizer come after all activations
+are gone. Summing each category's maximum overstates the peak (by the activations when the
+optimizer step is the peak, by the gradients when the last layer's backward is), and the report
+must say *where* the peak is for a user to act on it. So the step is walked in program order
+- forward layers, loss, backward (recompute, then the layer's backward) layer by layer, gradient
+sync, optimizer - and at every moment the live bytes are the sum of what is alive then.
+
+Cost: the planner asks this for thousands of candidates. Layers of one kind are identical and
+everything that accumulates over layers (checkpointed inputs, saved activations, gradients) is
+linear in the layer index, so the live bytes inside a run of same-kind layers peak at its first
+or last layer: the walk visits each layer kind at those two indices only, a few dozen moments
+per step, each a sum of per-rank numpy arrays (no per-tensor, per-rank or per-layer loop).
+
+Two implementations, chosen by the profile (`gpu.dense_attention`):
+- fused (the reference implementation on GPUs, implementation.md sections 1-3): FlashAttention
+  keeps out + LSE; fp32 accumulators (dQ in backward, the LSE merge numerator) are transient;
+  CP keeps the gathered 2L K/V (its reorder copies) for backward, CSBP its clean L rows; pure BP
+  runs its whole replicated clean prefix; MLP chunking off (the full intermediate).
+- eager (the CPU runtime, runtime/attention.py and runtime/model.py op by op): explicit masked
+  attention keeps each call's exp-scores for backward and holds three score matrices at its
+  forward and backward peaks; the K/V of a call are kept as their query-head copies (the
+  broadcast matmul copies them); RMSNorm, RoPE and SwiGLU keep what their autograd nodes save.
+The byte counts follow the code they describe; nothing here is fitted to a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from csbp.simulator import kv_rows
+from csbp.simulator.layout import Layout
+from csbp.simulator.spec import AttentionSpec, ModelSpec
+
+# Fraction of a block's noisy tokens that are masked (and enter the loss) in expectation: the
+# noise level t of a block is uniform on (0, 1] (BD3-LM; runtime/objective.py), E[t] = 1/2.
+MASKED_FRACTION = 0.5
+
+LABELS = {
+    "params": "params", "master": "fp32 master", "grads": "grads", "optimizer": "optimizer",
+    "checkpointed": "checkpointed inputs", "saved": "saved activations",
+    "layer": "recomputed layer", "scores": "attention scores", "kv": "K/V buffers",
+    "dkv": "dK/dV buffers", "transient": "op buffers", "loss": "loss buffers",
+    "comm": "communication buffers", "masks": "attention masks", "context": "context features",
+    "allocator": "allocator"}
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One point of the step: the phase, the step graph's op name, the layer (None outside)."""
+
+    phase: str
+    op: str
+    layer: int | None = None
+
+    def describe(self) -> str:
+        where = f" of layer {self.layer}" if self.layer is not None else ""
+        return f"{self.phase} {self.op}{where}"
+
+
+@dataclass
+class Timeline:
+    """Moments in program order and, for each, the live bytes by category (array over ranks or
+    a number, the same on every rank)."""
+
+    n_ranks: int
+    moments: list[Moment] = field(default_factory=list)
+    parts: list[dict[str, np.ndarray | float]] = field(default_factory=list)
+
+    def at(self, moment: Moment, **live: np.ndarray | float) -> None:
+        self.moments.append(moment)
+        self.parts.append(live)
+
+    def totals(self) -> np.ndarray:
+        """[moments, ranks] live bytes."""
+        out = np.zeros((len(self.moments), self.n_ranks))
+        for i, parts in enumerate(self.parts):
+            for v in parts.values():
+                out[i] += v
+        return out
+
+    def peaks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank: the peak live bytes and the index of the moment where it is reached."""
+        totals = self.totals()
+        where = totals.argmax(axis=0)
+        return totals[where, np.arange(self.n_ranks)], where
+
+    def breakdown(self, moment: int, rank: int) -> dict[str, float]:
+        """Bytes by category at one moment on one rank (categories summed, zeros dropped)."""
+        out: dict[str, float] = {}
+        for k, v in self.parts[moment].items():
+            b = float(v[rank]) if isinstance(v, np.ndarray) else float(v)
+            if b:
+                out[k] = out.get(k, 0.0) + b
+        return out
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Per-rank sizes the walk reads (bytes unless named otherwise), from the layout."""
+
+    tokens: np.ndarray  # positions x micro-batch x rows per example
+    noisy: np.ndarray
+    hidden: np.ndarray  # one hidden-state tensor (SP-sharded)
+    dt: int
+    tp: int
+    batch: int  # sequences in one call (micro-batch x rows per example)
+
+
+@dataclass
+class LayerMemory:
+    """One layer kind: what its forward keeps for backward and what each op holds briefly.
+
+    `attn_saved` / `mlp_saved`: kept from the forward until the attention / MLP backward (both
+    include K/V and score buffers where the implementation keeps them); the `*_transient` entries
+    are the extra bytes at the op's own peak, by category.
+    """
+
+    attn_saved: dict[str, np.ndarray]
+    mlp_saved: dict[str, np.ndarray]
+    forward: list[tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]]  # op, saved so far, extra
+    backward: list[tuple[str, dict[str, np.ndarray]]]  # op, extra (over the whole saved layer)
+    masks: np.ndarray | float = 0.0  # kept across the step (the runtime builds them once)
+
+    def saved(self) -> np.ndarray:
+        return _sum(self.attn_saved) + _sum(self.mlp_saved)
+
+
+def _sum(parts: dict[str, np.ndarray | float]) -> np.ndarray | float:
+    total = 0.0
+    for v in parts.values():
+        total = total + v
+    return total
+
+
+def _merge(*dicts: dict) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out[k] + v if k in out else v
+    return out
+
+
+def ffn_elements(model: ModelSpec, eager: bool) -> float:
+    """Elements per token the MLP keeps for backward: SwiGLU's gate, up and product (fused
+    Megatron accounting, 3 x ffn) or, eager, also silu(gate) (4 x ffn); a routed copy per
+    top-k expert with its input."""
+    per = 4 if eager else 3
+    if model.moe:
+        moe = model.moe
+        return moe.top_k * (model.hidden + per * moe.expert_ffn) + per * moe.dense_ffn
+    return per * model.ffn
+
+
+def layer_memory(model: ModelSpec, layout: Layout, a: AttentionSpec, s: Sizes,
+                 eager: bool) -> LayerMemory:
+    """The per-op live bytes of one layer of kind `a` on every rank."""
+    dt, tp, h = s.dt, s.tp, model.hidden
+    T = s.tokens
+    unit = T * dt / tp  # bytes of one element per token, TP-sharded
+    q_width = a.n_heads * a.head_dim
+    gate = q_width if a.gated_q else 0
+    kv_w = a.kv_width
+    hid, f = s.hidden, ffn_elements(model, eager) * unit
+    width = model.moe.top_k * model.moe.expert_ffn + model.moe.dense_ffn if model.moe else model.ffn
+    f_one = width * unit  # one intermediate tensor (gate, up, or their gradients)
+    if a.kind == "linear":  # Gated-DeltaNet: q, k, v, gate and output; no K/V exchange
+        mixer = (2 * a.n_kv_heads * a.head_dim + 3 * q_width) * unit
+        attn = {"saved": 2 * hid + mixer}
+        return LayerMemory(attn, {"saved": 3 * hid + f},
+                           [("attn", attn, {}), ("mlp", _merge(attn, {"saved": 3 * hid + f}), {})],
+                           [("mlp", {"transient": 2 * f_one + 2 * hid}),
+                            ("attn", {"transient": mixer + 2 * hid})])
+    positions = T / s.batch  # queries (and local keys) per sequence
+    pattern = kv_rows.pattern(layout, a, "forward")
+    received = kv_rows.held_at_once(layout, a).astype(float)  # remote K/V rows per sequence
+    own = kv_rows.packed_rows(layout, a).astype(float)  # rows this rank sends (its shard)
+    row = s.batch * kv_w * dt / tp  # one K or V row of every sequence
+    heads = a.n_heads / tp
+    if eager:
+        return _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row,
+                            heads, pattern)
+    return _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own,
+                        row, heads, pattern, a)
+
+
+def _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row, heads,
+                 pattern) -> LayerMemory:
+    """runtime/model.py + runtime/attention.py as autograd runs them (module docstring)."""
+    dt, batch = s.dt, s.batch
+    qw = q_width * unit
+    # attn_norm keeps x*rsqrt and its output (the q/k/v GEMMs' input); RoPE keeps q and k (its
+    # products read halves of them) and the rotated q (the score matmul reads it in place)
+    pre = {"saved": 2 * hid + 2 * qw + gate * unit + kv_w * unit}
+    calls = [("attn.local", positions)]
+    if pattern in ("all-gather", "all-to-all"):
+        calls.append(("attn.remote", received))
+    merged = len(calls) > 1
+    scores_of = {name: batch * heads * positions * keys * dt for name, keys in calls}
+    kept = {"saved": 0.0, "scores": 0.0, "kv": 0.0, "masks": 0.0}
+    forward = []
+    for name, keys in calls:
+        kcopy = batch * keys * q_width * dt / s.tp  # K (and V) expanded to the query heads
+        scores = scores_of[name]
+        if name == "attn.remote":  # the gathered rows arrive: send buffer, gather slots, rows
+            exchange = (2 * kv_w * unit + own * 2 * row * (own > 0)
+                        + (received + own) * 2 * row + received * 2 * row)
+            forward.append(("kv.gather", _merge(pre, kept), {"comm": exchange}))
+        mask = positions * keys  # ~allowed, bool, saved by masked_fill
+        during = _merge(pre, kept, {"kv": kcopy, "masks": mask})
+        extra = {"scores": 3 * scores}  # masked scores, scores - max, exp: at the exp
+        if name == "attn.remote":
+            extra["comm"] = received * 2 * row  # the received rows until the call returns
+        forward.append((name, during, extra))
+        kept = _merge(kept, {"kv": 2 * kcopy, "masks": mask, "scores": scores,
+                             "saved": qw * (2 if merged else 1)})  # e@v (and out, for the merge)
+    attn = _merge(pre, kept, {"saved": qw})  # the attention output, copied for the out GEMM
+    if merged:
+        forward.append(("attn.merge", _merge(pre, kept), {"transient": 3 * qw}))
+    # x + attn (the MLP's residual input), ffn_norm's two, gate, silu, up, product
+    mlp = {"saved": 3 * hid + f}
+    forward.append(("mlp", _merge(attn, mlp), {"transient": 2 * hid}))
+    biggest = 0.0
+    for name, _ in calls:  # the larger call decides each rank's peak: e is saved; the
+        biggest = np.maximum(biggest, scores_of[name])  # gradient of e and of its sum add two
+    grads_in = 2 * hid  # dx of the residual and of the branch
+    backward = [("mlp", {"transient": 2 * f_one + grads_in}),
+                ("attn.local" if not merged else "attn.remote",
+                 {"scores": 2 * biggest, "transient": grads_in + 2 * qw})]
+    if merged:  # dK/dV of the received rows go home: rows, the full buffer with own zeros, out
+        backward.append(("dkv.scatter", {"dkv": received * 2 * row + (received + own) * 2 * row
+                                         + own * 2 * row, "transient": grads_in}))
+    masks = positions * (positions + (received if merged else 0))  # each route's, built once
+    return LayerMemory(attn, mlp, forward, backward, masks)
+
+
+def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row,
+                 heads, pattern, a) -> LayerMemory:
+    """The reference implementation on a GPU (implementation.md sections 1-3)."""
+    batch = s.batch
+    qw = q_width * unit
+    lse = batch * heads * positions * 4  # fp32 log-sum-exp per query head
+    acc = batch * positions * q_width * 4 / s.tp  # one fp32 [queries x q width] accumulator
+    # norm inputs and the q/k/v GEMM input (Megatron: 2h before attention), q, k, v, out
+    pre = {"saved": 2 * hid + 2 * qw + gate * unit + 2 * kv_w * unit + lse}
+    forward, kept = [], {"kv": 0.0}
+    if pattern == "all-gather":
+        gathered = (received + own) * 2 * row  # the whole exchange's K and V (CP: 2L, CSBP: L)
+        reorder = layout.plan.bp == 1  # CP copies them into logical order, keeps the copies
+        forward.append(("kv.gather", pre, {"comm": gathered * (2 if reorder else 1)}))
+        kept = {"kv": gathered}
+    elif pattern == "all-to-all":
+        kept = {"kv": received * 2 * row}
+        forward.append(("kv.gather", pre, {"comm": 2 * kept["kv"]}))
+    elif pattern == "ring":  # two ring buffers in flight; nothing kept (streamed again)
+        forward.append(("kv.ring1", pre, {"comm": 2 * received * 2 * row}))
+    split = pattern != "none" or layout.kind == "bp"
+    # a split attention merges partial outputs by LSE with an fp32 numerator
+    forward.append(("attn.local" if split else "attn", _merge(pre, kept),
+                    {"transient": (acc + qw) if split else 0.0}))
+    attn = _merge(pre, kept)
+    mlp = {"saved": 2 * hid + f}  # the residual's norm input and output, SwiGLU's three
+    forward.append(("mlp", _merge(attn, mlp), {"transient": 2 * hid}))
+    keys = positions + received if pattern != "ring" else positions + 2 * received
+    dkv = batch * keys * 2 * kv_w * s.dt / s.tp  # dK, dV of every key the layer read
+    grads_in = 2 * hid
+    backward = [("mlp", {"transient": 2 * f_one + grads_in}),
+                ("attn.local" if split else "attn",
+                 {"transient": acc + qw + grads_in, "dkv": dkv})]
+    if pattern in ("all-gather", "all-to-all"):
+        # CP: concatenation, index_select and a copy into the send buffer (section 1); CSBP
+        # writes straight into the reduce-scatter buffer (section 2)
+        copies = 2 if layout.plan.bp == 1 else 1
+        backward.append(("dkv.scatter", {"dkv": dkv + copies * (received + own) * 2 * row,
+                                         "transient": grads_in}))
+    return LayerMemory(attn, mlp, forward, backward)
+
+
+# ---- weights, gradients, optimizer state ----------------------------------------------------
+
+# AdamW's two moments in fp32, and the fp32 master copy of weights trained in bf16/fp16
+# (mixed precision); fp32 training (the CPU runtime) updates the weights themselves.
+ADAM_BYTES_PER_PARAM = 8
+MASTER_BYTES_PER_PARAM = 4
+
+
+@dataclass(frozen=True)
+class WeightState:
+    """Per rank bytes of the weight side under the ZeRO stage (module docstring of memory.py)."""
+
+    params: float
+    master: float
+    optimizer: float
+    layer_grads: dict[AttentionSpec, float]  # one layer's gradients as the backward leaves them
+    head_grads: float  # LM head and final norm (first in the backward)
+    embed_grads: float  # embedding (last in the backward; 0 when tied or frozen)
+    grads: float  # all of them, after the backward
+    bucket: float  # ZeRO-2/3: a layer's full gradients before the reduce-scatter shards them
+    largest_tensor: float  # the largest parameter tensor (an optimizer temporary's size)
+    trainable: float  # this rank's trainable parameters (elements) the optimizer updates
+    replicas: int  # ranks summing the same gradients (1: no gradient sync)
+
+
+def weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
+                 frozen_router: bool = False) -> WeightState:
+    """Parameters, master copy, gradients and AdamW state per rank, sharded by ZeRO stage:
+    stage 1 shards optimizer state and master, 2 also gradients, 3 also parameters (gathered a
+    layer at a time, the next one prefetched)."""
+    h = model.hidden
+    n_dense = plan.dp * plan.ctx * plan.ep  # ranks holding the same dense shard
+    n_expert = plan.dp * plan.ctx * plan.tp
+    embed = model.embedding_params() / plan.tp
+    frozen = embed if frozen_embeddings else 0.0
+    expert_layer = model.expert_params_per_layer() / plan.ep
+    router = h * model.moe.n_experts / plan.ep if (model.moe and frozen_router) else 0.0
+    layer = {a: (model.mixer_params(a) + model.dense_ffn_params() + 2 * h) / plan.tp + expert_layer
+             - router for a in model.attention_kinds()}
+    dense = model.dense_params() / plan.tp - frozen
+    expert = model.n_layers * expert_layer
+    trainable_full = dense + expert - model.n_layers * router
+    sharded = dense / n_dense + expert / n_expert
+    shard = sharded / max(trainable_full, 1.0)
+    largest_layer = max(layer.values()) if layer else 0.0
+    params = ((dense + expert) if zero < 3 else sharded + 2 * largest_layer) * dt + frozen * dt
+    owned = trainable_full if zero < 1 else sharded
+    master = owned * MASTER_BYTES_PER_PARAM if dt < 4 else 0.0
+    tied = model.tie_embeddings
+    head = 0.0 if frozen_embeddings else (model.vocab * h / plan.tp + h)
+    emb = 0.0 if (frozen_embeddings or tied) else model.vocab * h / plan.tp
+    g = dt if zero < 2 else dt * shard
+    widths = [model.vocab, model.ffn, *(a.n_heads * a.head_dim for a in model.layers)]
+    if model.moe:
+        widths.append(model.moe.expert_ffn)
+    return WeightState(
+        params=params, master=master, optimizer=owned * ADAM_BYTES_PER_PARAM,
+        layer_grads={a: v * g for a, v in layer.items()}, head_grads=head * g, embed_grads=emb * g,
+        grads=trainable_full * g, bucket=2 * largest_layer * dt if zero >= 2 else 0.0,
+        largest_tensor=max(widths) * h / plan.tp * 4, trainable=owned,
+        replicas=plan.dp * plan.ctx * plan.ep)
+
+
+# ---- the walk -------------------------------------------------------------------------------
+
+def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, eager: bool,
+         checkpointing: bool, loss: np.ndarray | float, context: np.ndarray | float = 0.0,
+         zero: int = 0) -> Timeline:
+    """The step in program order (module docstring); returns every moment with its bytes."""
+    tl = Timeline(layout.size)
+    layers = model.layers
+    kinds = {a: layer_memory(model, layout, a, sizes, eager) for a in dict.fromkeys(layers)}
+    hid = sizes.hidden
+    fixed = {"params": weights.params, "master": weights.master, "optimizer": weights.optimizer,
+             "context": context}
+    if eager:
+        fixed["masks"] = _sum({i: m.masks for i, m in enumerate(kinds.values())})
+    n = len(layers)
+    first = {a: layers.index(a) for a in kinds}
+    last = {a: n - 1 - layers[::-1].index(a) for a in kinds}
+    stored_name = "checkpointed" if checkpointing else "saved"
+    layer_name = "layer" if checkpointing else "saved"
+
+    # prefix sums over layers: what the layers before i keep, gradients of the layers after i
+    before_count = {a: np.cumsum([0] + [int(b == a) for b in layers]) for a in kinds}
+    grads_total_layers = sum(weights.layer_grads[a] * layers.count(a) for a in kinds)
+
+    def stored_before(i: int) -> dict:
+        if checkpointing:
+            return {"checkpointed": i * hid}
+        out: dict = {"saved": i * hid}
+        for a, mem in kinds.items():
+            c = int(before_count[a][i])
+            if c:
+                out = _merge(out, {k: c * v for k, v in _merge(mem.attn_saved, mem.mlp_saved).items()})
+        return out
+
+    def grads_after(i: int) -> float:
+        done = sum(weights.layer_grads[a] * int(before_count[a][n] - before_count[a][i + 1])
+                   for a in kinds)
+        return weights.head_grads + done
+
+    def rename(d: dict, saved_as: str) -> dict:
+        return {(saved_as if k == "saved" else k): v for k, v in d.items()}
+
+    # forward: the last layer of each kind holds the most (everything below it is stored)
+    for a in sorted(kinds, key=lambda a: last[a]):
+        i, mem = last[a], kinds[a]
+        base = _merge(fixed, stored_before(i), {stored_name: hid})  # i's input
+        for op, during, extra in mem.forward:
+            # checkpointed forward keeps nothing once an op's output is consumed, but the
+            # tensors an op reads and writes are the ones it would save
+            tl.at(Moment("forward", op, i), **_merge(base, rename(during, "transient"), extra))
+    # loss: every layer's stored part, the final hidden state and norm, the loss buffers
+    top = _merge(fixed, stored_before(n), {stored_name: hid, "transient": 2 * hid, "loss": loss})
+    tl.at(Moment("loss", "cross-entropy"), **top)
+    # backward, last layer first; each kind at its last layer (most stored below) and its first
+    # (most gradients above)
+    visits = sorted({(last[a], a) for a in kinds} | {(first[a], a) for a in kinds},
+                    key=lambda x: -x[0])
+    for i, a in visits:
+        mem = kinds[a]
+        grads = grads_after(i)
+        base = _merge(fixed, stored_before(i), {stored_name: hid, "grads": grads,
+                                                "transient": hid, "dkv": 0.0})
+        if zero >= 2:
+            base["grads"] = grads + weights.bucket
+        if checkpointing:
+            for op, during, extra in mem.forward:
+                tl.at(Moment("recompute", op, i), **_merge(base, rename(during, "layer"), extra))
+        whole = rename(_merge(mem.attn_saved, mem.mlp_saved), layer_name)
+        mlp_op, mlp_extra = mem.backward[0]
+        tl.at(Moment("backward", mlp_op, i), **_merge(base, whole, mlp_extra))
+        attn_only = rename(mem.attn_saved, layer_name)
+        for op, extra in mem.backward[1:]:
+            tl.at(Moment("backward", op, i), **_merge(base, attn_only, extra))
+    all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
+    if zero >= 2:
+        all_grads = weights.grads
+    tl.at(Moment("backward", "embed-bwd", 0), **_merge(fixed, {"grads": all_grads, "transient": hid}))
+    if weights.replicas > 1 and zero < 2:
+        # the gradients flattened into one buffer (runtime/plans/dp.py) or DDP's buckets
+        tl.at(Moment("grad-sync", "grads.all-reduce"), **_merge(fixed, {"grads": all_grads,
+                                                                     "comm": all_grads}))
+    # AdamW: per tensor (CPU: foreach off) sqrt and division temporaries of the largest tensor;
+    # foreach (CUDA) one fp32 temporary list of every updated parameter
+    temp = 2 * weights.largest_tensor if eager else weights.trainable * 4
+    tl.at(Moment("optimizer", "adamw"), **_merge(fixed, {"grads": all_grads, "transient": temp}))
+    return tl
+
+
+def masked_loss_bytes(model: ModelSpec, noisy: np.ndarray, dt: int, tp: int) -> np.ndarray:
+    """The eager runtime's loss: logits of the masked noisy tokens only (the others weigh 0),
+    their log-softmax and its gradient in fp32, and the gathered hidden rows."""
+    hit = noisy * MASKED_FRACTION
+    vocab = math.ceil(model.vocab / tp)
+    return hit * (3 * vocab * 4 + model.hidden * dt)
