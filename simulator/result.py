@@ -42,6 +42,11 @@ class Result:
     peak_memory_gib: float | None = None  # max over ranks
     memory_gib: dict[str, float] = field(default_factory=dict)  # breakdown on the peak rank
     memory_per_rank_gib: list[float] = field(default_factory=list)  # context-group ranks
+    # the live-tensor peak (max over ranks): what max_memory_allocated measures, no allocator
+    # overhead or reserved memory; where the peak rank peaks and what is alive there
+    peak_allocated_gib: float | None = None
+    peak_memory_at: dict[str, Any] = field(default_factory=dict)  # rank, phase, op, layer
+    peak_breakdown_gib: dict[str, float] = field(default_factory=dict)  # by category, then
     attention_traffic_gib_per_gpu: float = 0.0  # K/V + dK/dV received per step, max over ranks
     comm_gib_per_gpu: dict[str, float] = field(default_factory=dict)  # by category, received
     exposed_comm_s: float | None = None  # communication time not hidden behind compute
