@@ -2,7 +2,8 @@
 
 For DP, CP, pure BP and CSBP at world sizes 2 and 4 and two context lengths of a small model
 (`validation_suite`), the runtime measures step time, attention bytes and peak memory
-(`validation_runs`, with the calibration's reference probe timed between rounds) and
+(`validation_runs`, with the calibration's reference probe timed between rounds; both
+activation-checkpointing settings, peak memory as allocated bytes) and
 `simulate()` predicts them on a measured profile of this host. The report
 (`validation_report`): per-plan error raw and normalised by the probe (host drift taken out),
 median and max of both, run-to-run noise and host drift beside them, whether the predicted
@@ -124,15 +125,21 @@ def _print_report(report: dict) -> None:
 
     normal = report["median_abs_normalised_error"] is not None
     table = Table(title=f"csbp validate: {report['model']} on profile {report['profile']}")
-    for col in ("plan", "world", "L", "measured", "predicted", "error", *(("normalised",) if normal else ()),
-                "noise", "attention bytes", "peak memory meas / pred"):
+    for col in ("plan", "world", "L", "ckpt", "measured", "predicted", "error",
+                *(("normalised",) if normal else ()), "noise", "attention bytes",
+                "allocated peak meas / pred (MiB)", "mem error", "RSS (MiB)"):
         table.add_column(col, justify="right")
     for r in report["rows"]:
-        table.add_row(r["plan"], str(r["world"]), str(r["seq_len"]), f"{r['measured_step_s'] * 1e3:.0f} ms",
+        pred_mem = r["predicted_peak_memory_gib"]
+        table.add_row(r["plan"], str(r["world"]), str(r["seq_len"]), r.get("checkpointing", ""),
+                      f"{r['measured_step_s'] * 1e3:.0f} ms",
                       f"{r['predicted_step_s'] * 1e3:.0f} ms", f"{r['error']:+.1%}",
                       *((f"{r['normalised_error']:+.1%}",) if normal else ()), f"±{r['noise']:.1%}",
                       f"{r['attention_bytes_counted']:,} {'=' if r['bytes_equal'] else '≠'}",
-                      f"{r['measured_peak_memory_gib']:.2f} / {r['predicted_peak_memory_gib']:.2f} GiB")
+                      f"{r['measured_peak_memory_gib'] * 1024:.1f} / "
+                      + (f"{pred_mem * 1024:.1f}" if pred_mem else "-"),
+                      f"{r['memory_error']:+.1%}" if r["memory_error"] is not None else "-",
+                      f"{r['rss_peak_gib'] * 1024:.0f}")
     console = Console()
     console.print(table)
     decided = [p for p in report["ranking_pairs"] if p["decided"]]
@@ -146,6 +153,11 @@ def _print_report(report: dict) -> None:
                   f"more than the noise in the measured order -> "
                   f"{'matches' if report['ranking_matches'] else 'does NOT match'}")
     console.print(f"attention bytes counted = predicted for every plan: {report['bytes_equal']}")
+    if report.get("median_abs_memory_error") is not None:
+        console.print(f"peak memory (allocated bytes, measured vs the timeline's live-tensor peak): "
+                      f"median error {report['median_abs_memory_error']:.1%}, max "
+                      f"{report['max_abs_memory_error']:.1%}; RSS shown beside it includes the "
+                      "process's torch/gloo baseline and the heap's free lists")
     d = report.get("host_drift")
     if d:
         console.print(f"host speed since calibration: reference step {d['before']:+.1%} before the "

@@ -6,6 +6,11 @@ probe time / probe time at the run, see `validation_runs`). Raw is what a user o
 sees; normalised is the model's error with the host's drift since calibration taken out. The
 noise (spread of a plan's repeats) and the host drift (the probe against its calibrated time)
 sit next to them, because an error smaller than those says nothing about the model.
+
+Memory is compared as one quantity on both sides: the runtime's allocated-bytes peak (CUDA's
+max_memory_allocated, or `runtime.memory_tracker` on CPU; the median over repeats, with their
+spread) against the timeline's live-tensor peak (`Result.peak_allocated_gib`: no allocator
+overhead, no reserved memory). The resident set (`rss_peak_gib`) is shown beside it, not mixed in.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ def compare(cases: list[Case], suite: SuiteRuns, predictions: list,
         counted = [r["attention_bytes_counted"] for r in measured]
         layout = measured[0]["attention_bytes_predicted"]
         simulated = round(pred.attention_traffic_gib_per_gpu * GIB)
-        mem = max(r["peak_memory_gib"] for r in measured)
+        mems = [r["peak_memory_gib"] for r in measured]  # allocated-bytes peak, max over ranks
+        mem = statistics.median(mems)
+        predicted_mem = getattr(pred, "peak_allocated_gib", None)
         row = {
             "plan": case.plan.label(), "kind": case.plan.kind, "world": case.plan.world,
             "seq_len": case.workload.seq_len, "block_size": case.workload.block_size,
+            "checkpointing": case.workload.checkpointing,
             "measured_step_s": step, "predicted_step_s": pred.step_time_s,
             "error": pred.step_time_s / step - 1,
             "noise": relative_spread(medians if len(medians) > 1 else steps),
@@ -47,15 +55,25 @@ def compare(cases: list[Case], suite: SuiteRuns, predictions: list,
             "attention_bytes_simulated": simulated,
             "bytes_equal": all(c == layout == simulated for c in counted)
             and all(r["attention_bytes_match"] for r in measured),
-            "measured_peak_memory_gib": mem, "predicted_peak_memory_gib": pred.peak_memory_gib,
-            "memory_error": pred.peak_memory_gib / mem - 1 if pred.peak_memory_gib else None,
+            # memory: the live-tensor peak on both sides (runtime: max_memory_allocated or the
+            # CPU tracker; model: the timeline's peak without allocator overhead or reserve)
+            "measured_peak_memory_gib": mem, "predicted_peak_memory_gib": predicted_mem,
+            "memory_error": predicted_mem / mem - 1 if predicted_mem and mem else None,
+            "memory_spread": relative_spread(mems) if all(mems) else None,
+            "runs_peak_memory_gib": mems,
+            "rss_peak_gib": max(r.get("rss_peak_gib") or 0.0 for r in measured),
+            "predicted_peak_memory_at": getattr(pred, "peak_memory_at", None),
+            "predicted_breakdown_gib": getattr(pred, "peak_breakdown_gib", None),
             "loss": measured[0]["loss"],
         }
         rows.append(row | normalised(row, medians, steps, probes, probe_at_calibration))
     errors = sorted(abs(r["error"]) for r in rows)
     normal = sorted(abs(r["normalised_error"]) for r in rows if r["normalised_error"] is not None)
     pairs = ranking_pairs(rows)
+    mem_errors = sorted(abs(r["memory_error"]) for r in rows if r["memory_error"] is not None)
     return {
+        "median_abs_memory_error": statistics.median(mem_errors) if mem_errors else None,
+        "max_abs_memory_error": mem_errors[-1] if mem_errors else None,
         "median_abs_error": statistics.median(errors), "max_abs_error": errors[-1],
         "median_abs_normalised_error": statistics.median(normal) if normal else None,
         "max_abs_normalised_error": normal[-1] if normal else None,
@@ -102,13 +120,15 @@ def ranking_pairs(rows: list[dict]) -> list[dict]:
     """
     out = []
     for a, b in combinations(rows, 2):
-        if (a["world"], a["seq_len"]) != (b["world"], b["seq_len"]):
+        if (a["world"], a["seq_len"], a.get("checkpointing")) != (b["world"], b["seq_len"],
+                                                                 b.get("checkpointing")):
             continue
         ma, mb = a["measured_step_s"], b["measured_step_s"]
         gap = abs(ma - mb) / min(ma, mb)
         out.append({"faster_measured": a["plan"] if ma < mb else b["plan"],
                     "slower_measured": b["plan"] if ma < mb else a["plan"],
-                    "world": a["world"], "seq_len": a["seq_len"], "gap": gap,
+                    "world": a["world"], "seq_len": a["seq_len"],
+                    "checkpointing": a.get("checkpointing"), "gap": gap,
                     "decided": gap > a["noise"] + b["noise"],
                     "agrees": (ma < mb) == (a["predicted_step_s"] < b["predicted_step_s"])})
     return out

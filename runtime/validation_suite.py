@@ -22,6 +22,9 @@ VALIDATION_MODEL = ModelSpec(
 PLANS = {2: ("dp=2", "cp=2", "bp=2", "cp=2,bp=2"), 4: ("dp=4", "cp=4", "bp=4", "cp=4,bp=4")}
 QUICK_PLANS = {2: ("cp=2", "cp=2,bp=2"), 4: ("cp=4", "cp=4,bp=4")}
 SEQ_LENS, QUICK_SEQ_LENS = (512, 1024), (128,)
+# both activation-checkpointing settings: the memory model's two regimes (every layer's input
+# kept and one layer recomputed, or every layer's activations kept) and two step graphs
+CHECKPOINTING, QUICK_CHECKPOINTING = ("full", "none"), ("full",)
 BLOCK = 32
 
 
@@ -34,11 +37,13 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.plan.label()} L={self.workload.seq_len}"
+        return f"{self.plan.label()} L={self.workload.seq_len} ckpt={self.workload.checkpointing}"
 
 
 def suite(quick: bool) -> list[Case]:
-    plans, lengths = (QUICK_PLANS, QUICK_SEQ_LENS) if quick else (PLANS, SEQ_LENS)
+    plans, lengths, ckpts = ((QUICK_PLANS, QUICK_SEQ_LENS, QUICK_CHECKPOINTING) if quick
+                             else (PLANS, SEQ_LENS, CHECKPOINTING))
     # fp32 is the CPU runtime's reference; zero_stage 0: the runtime replicates AdamW
-    return [Case(parse_plan(p), Workload(seq_len=L, block_size=BLOCK, dtype="fp32", zero_stage=0))
-            for world in sorted(plans) for L in lengths for p in plans[world]]
+    return [Case(parse_plan(p), Workload(seq_len=L, block_size=BLOCK, dtype="fp32", zero_stage=0,
+                                         checkpointing=c))
+            for world in sorted(plans) for c in ckpts for L in lengths for p in plans[world]]

@@ -49,6 +49,8 @@ def test_full_suite_covers_every_plan_kind_world_and_two_contexts():
     assert {c.plan.kind for c in cases} == {"dp", "cp", "bp", "csbp"}
     assert {c.plan.world for c in cases} == {2, 4}
     assert len({c.workload.seq_len for c in cases}) == 2
+    assert {c.workload.checkpointing for c in cases} == {"full", "none"}
+    assert len(cases) == len({c.label for c in cases})
     for c in cases:
         c.plan.check_against(v.VALIDATION_MODEL, c.workload)
 
@@ -107,7 +109,9 @@ def _summary(step_s: float, bytes_: int = 1000) -> dict:
 
 def _prediction(step_s: float, bytes_: int = 1000):
     return SimpleNamespace(step_time_s=step_s, attention_traffic_gib_per_gpu=bytes_ / GIB,
-                           peak_memory_gib=0.8)
+                           peak_memory_gib=0.9, peak_allocated_gib=0.8,
+                           peak_memory_at={"rank": 0, "phase": "backward", "op": "attn.local",
+                                           "layer": 1}, peak_breakdown_gib={"scores": 0.5})
 
 
 def test_normalised_error_takes_the_host_drift_out():
@@ -124,6 +128,10 @@ def test_normalised_error_takes_the_host_drift_out():
     assert r["median_abs_normalised_error"] == pytest.approx(0.0)
     assert r["max_abs_error"] == pytest.approx(1 - 1 / 1.05)
     assert r["host_drift"]["before"] == pytest.approx(0.2) and r["bytes_equal"] is True
+    # memory: the allocated peak on both sides (not the reserve-inclusive peak_memory_gib)
+    assert all(row["memory_error"] == pytest.approx(-0.2) for row in r["rows"])
+    assert r["median_abs_memory_error"] == pytest.approx(0.2) == r["max_abs_memory_error"]
+    assert r["rows"][0]["predicted_peak_memory_at"]["op"] == "attn.local"
     none = report.compare(cases, SuiteRuns(runs.runs, [[None, None]] * 2, []), [_prediction(1.0)] * 2, None)
     assert none["median_abs_normalised_error"] is None and none["host_drift"] is None
 
