@@ -88,7 +88,8 @@ def busy_per_rank(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
     reduced, counts = one_layer_per_kind(model)
     graph = StepGraph.build(reduced, workload, plan, Layout.build(workload, plan),
                             profile.node.gpus_per_node,
-                            keys_at_home=keys_at_home and keys_at_home_is_cheapest(profile))
+                            keys_at_home=keys_at_home and keys_at_home_is_cheapest(profile),
+                            implementation=profile.implementation)
     return segment_sums(graph, counts, durations(graph, profile))
 
 

@@ -57,6 +57,16 @@ def add_what_if_arg(p: argparse.ArgumentParser) -> None:
     from csbp.simulator.what_if import help_text
 
     p.add_argument("--what-if", default=None, metavar="NAME=VALUE,...", help=help_text())
+    add_implementation_arg(p)
+
+
+def add_implementation_arg(p: argparse.ArgumentParser) -> None:
+    from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, list_implementations
+
+    p.add_argument("--implementation", default=DEFAULT_IMPLEMENTATION, metavar="NAME|FILE",
+                   help="what the training framework executes per plan family (kernels, waits, "
+                        f"copies): {' | '.join(list_implementations())} or a YAML path "
+                        f"(default {DEFAULT_IMPLEMENTATION})")
 
 
 def profile_from_args(args: argparse.Namespace):
@@ -64,7 +74,22 @@ def profile_from_args(args: argparse.Namespace):
     from csbp.simulator.hardware import load_profile
     from csbp.simulator.what_if import apply
 
-    return apply(load_profile(args.hardware), getattr(args, "what_if", None))
+    found = apply(load_profile(args.hardware), getattr(args, "what_if", None))
+    return with_implementation(found, getattr(args, "implementation", None))
+
+
+def with_implementation(found, name: str | None):
+    """The what-if's profile running implementation `name` (checked: it loads, and the GPU lists
+    every kernel family it names)."""
+    from dataclasses import replace
+
+    from csbp.simulator.implementation import check_kernels, load_implementation
+
+    if not name:
+        return found
+    impl = load_implementation(name)
+    check_kernels(impl, found.profile.gpu)
+    return replace(found, profile=found.profile.model_copy(update={"implementation": name}))
 
 
 def node_count(text: str) -> int:

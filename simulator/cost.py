@@ -27,6 +27,9 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
     """
     gpu = profile.gpu
     flops, nbytes = np.asarray(work.flops), np.asarray(work.bytes)
+    if work.kind == "storage-read":  # the node's storage, shared by its ranks reading at once
+        rate = profile.node.storage_share_gbs(work.readers)  # None: the profile gives no figure
+        return nbytes / (rate * GB) if rate else np.zeros(len(nbytes))
     if work.kind in ("elementwise", "optimizer"):
         own = gpu.optimizer_efficiency if work.kind == "optimizer" else None
         busy = nbytes / (gpu.hbm_gbs * GB * (own or gpu.hbm_efficiency))
@@ -40,9 +43,18 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
         if gpu.dense_attention and work.dense_flops:  # explicit math scores the whole rectangle
             flops = np.asarray(work.dense_flops)
         curve = gpu.attention_backward_efficiency if backward else gpu.attention_forward_efficiency
-        factor = gpu.masked_attention_efficiency_factor if work.masked else 1.0
-        eff = along(curve, np.asarray(work.tile_len, dtype=float), factor)
-        busy = flops / (gpu.peak_tflops * 1e12 * eff)
+        kernel = gpu.kernel_factor(work.kernel, backward)
+        if work.full_tile_flops and not gpu.dense_attention:
+            # block-sparse kernel: every tile it touches costs a whole tile, a partial one the
+            # mask too (the masked-tile factor), at the family's speed over the call's tiles
+            executed = np.asarray(work.full_tile_flops) + np.asarray(work.partial_tile_flops) / \
+                gpu.masked_attention_efficiency_factor
+            eff = along(curve, np.asarray(work.tile_len, dtype=float), kernel)
+            busy = executed / (gpu.peak_tflops * 1e12 * eff)
+        else:
+            factor = (gpu.masked_attention_efficiency_factor if work.masked else 1.0) * kernel
+            eff = along(curve, np.asarray(work.tile_len, dtype=float), factor)
+            busy = flops / (gpu.peak_tflops * 1e12 * eff)
         if dense and all(s is not None for s in dense):  # measured per visible / masked score
             busy = np.array(dense)
     overhead = (gpu.op_overhead_us or 0.0) * US * work.kernels
@@ -180,9 +192,11 @@ def _seconds(work: Work, profile: HardwareProfile) -> np.ndarray:
     if isinstance(work, Comm):
         return comm_seconds(work, profile)
     if len(work.flops) > 1 and all(len(set(v)) <= 1 for v in
-                                   (work.flops, work.bytes, work.tile_len, work.dense_flops)):
+                                   (work.flops, work.bytes, work.tile_len, work.dense_flops,
+                                    work.full_tile_flops, work.partial_tile_flops)):
         # every rank does the same work (most GEMMs, norms): price one, the same arithmetic
         first = replace(work, flops=work.flops[:1], bytes=work.bytes[:1], tile_len=work.tile_len[:1],
-                        dense_flops=work.dense_flops[:1])
+                        dense_flops=work.dense_flops[:1], full_tile_flops=work.full_tile_flops[:1],
+                        partial_tile_flops=work.partial_tile_flops[:1])
         return np.full(len(work.flops), compute_seconds(first, profile)[0])
     return compute_seconds(work, profile)

@@ -24,20 +24,22 @@ from typing import Literal, NamedTuple, Union
 import numpy as np
 
 from csbp.simulator import kv_rows, mask, pairs
+from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, Implementation, Pass, load_implementation
 from csbp.simulator.layout import Layout, kv_row_bytes
+from csbp.simulator.tiles import tile_counts
 from csbp.simulator.layout import clear_caches as clear_layout_caches
 from csbp.simulator.objective_layout import anchor_blocks, canvas_view
-from csbp.simulator.objectives import ObjectiveShape, objective_shape
+from csbp.simulator.objectives import ObjectiveShape, batch_rows, objective_shape
 from csbp.simulator.pairs import QueryIntervals, pairs_with_keys  # noqa: F401 (pairs_with_keys: re-exported)
 from csbp.simulator.plan import Plan
 from csbp.simulator.spans import Span, normalize
 from csbp.simulator.spec import AttentionSpec, ModelSpec
 from csbp.simulator.workload import Workload
 
-ComputeKind = Literal["gemm", "attention-fwd", "attention-bwd", "elementwise", "optimizer"]
+ComputeKind = Literal["gemm", "attention-fwd", "attention-bwd", "elementwise", "optimizer", "storage-read"]
 Collective = Literal["all-gather", "reduce-scatter", "all-reduce", "all-to-all", "p2p"]
 Category = Literal["attention-kv", "gradients", "tp", "ep", "params", "other"]
-Phase = Literal["forward", "recompute", "backward", "grad-sync", "optimizer", "param-sync"]
+Phase = Literal["data", "forward", "recompute", "backward", "grad-sync", "optimizer", "param-sync"]
 
 # FlashAttention backward does 5 matmuls against the forward's 2 (FlashAttention-2 paper, sec. 3).
 ATTENTION_BACKWARD_FLOP_RATIO = 2.5
@@ -104,6 +106,10 @@ class Compute:
     tile_len: PerRank = ()  # attention: mean keys per query the kernel sweeps
     masked: bool = False  # attention: mask edges cut kernel tiles
     dense_flops: PerRank = ()  # attention: FLOPs of the whole queries x keys rectangle of the call
+    kernel: str = "best"  # attention: the kernel family that runs the call (implementation profile)
+    full_tile_flops: PerRank = ()  # attention: FLOPs of the kernel tiles every pair of which is visible
+    partial_tile_flops: PerRank = ()  # ... and of the tiles the mask cuts (each costs the mask too)
+    readers: int = 1  # storage-read: ranks of one node reading at once (they share its storage)
 
 
 @dataclass(frozen=True)
@@ -140,22 +146,30 @@ class StepGraph:
     ranks: int
     ops: tuple[Op, ...]
     model_flops: float  # FLOPs of the step's math for one context group, once, without recompute
-    views: int = 1  # forward/backward passes over the sequence per step (objective)
+    views: int = 1  # layout sequences per example the step runs: rows x passes (objective)
     notes: tuple[str, ...] = field(default=())
     _arrays: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
-              gpus_per_node: int, one_bucket: bool = False, keys_at_home: bool = False) -> "StepGraph":
+              gpus_per_node: int, one_bucket: bool = False, keys_at_home: bool = False,
+              implementation: "Implementation | str | None" = None) -> "StepGraph":
         """`one_bucket`: reduce all gradients in one call after the backward pass, as a step
         that overlaps nothing does (per-layer buckets exist to hide behind the next layer's
         backward; without overlap each would only add a call's latency).
 
         `keys_at_home`: every attention call reads all its keys where it runs, one call per layer
         and pass (no K/V exchange, no merge, no packing): the least attention compute the plan's
-        ownership allows, for the planner's lower bounds (`bounds.py`); not a step that runs."""
-        return _Builder(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket,
-                        keys_at_home=keys_at_home).build()
+        ownership allows, for the planner's lower bounds (`bounds.py`); not a step that runs.
+
+        `implementation`: what the framework executes per plan family (kernels, call split,
+        waits, copies, padding; `implementation.py`); default `turbo-dllm`.
+
+        The builder sees the batch as the GPU runs it (`objectives.batch_rows`: an objective's
+        rows per example are rows of the batch)."""
+        return _Builder(model, batch_rows(workload, model), plan, layout, gpus_per_node,
+                        one_bucket=one_bucket, keys_at_home=keys_at_home,
+                        implementation=implementation).build()
 
     def flops(self, include_recompute: bool = True) -> np.ndarray:
         """FLOPs each representative rank executes in one step."""
@@ -252,11 +266,14 @@ class _Builder:
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                  gpus_per_node: int, ops: list | None = None, notes: list | None = None,
-                 one_bucket: bool = False, keys_at_home: bool = False) -> None:
+                 one_bucket: bool = False, keys_at_home: bool = False,
+                 implementation: "Implementation | str | None" = None) -> None:
         self.m, self.w, self.p, self.lay = model, workload, plan, layout
+        self.impl = load_implementation(implementation or DEFAULT_IMPLEMENTATION)
+        self.family = self.impl.family(layout.kind, plan.transport)
         self.one_bucket = one_bucket
         self.keys_at_home = keys_at_home
-        self.obj: ObjectiveShape = objective_shape(workload, model)
+        self.obj: ObjectiveShape = objective_shape(workload, model, plan)
         self.gpn = gpus_per_node
         self.n = layout.size
         self.dt = workload.dtype_bytes
@@ -367,18 +384,32 @@ class _Builder:
         share = self.lay.shares[rank]
         return normalize(share.positions + share.owned_kv)
 
-    def split(self, a: AttentionSpec, pattern: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """The layer kind's attention split, counted once per layout ownership: it depends only on
-        the shares, the window and the pattern, which most candidates of a search share."""
-        window = a.window if a.kind == "sliding" else None
-        return self.derived(("attention-split", window, pattern),
-                            lambda: self.attention_split(a, window, pattern))
+    def facts(self, phase: Phase) -> Pass:
+        """What the implementation runs for this plan family's attention in `phase`."""
+        return self.family.phase(phase)
 
-    def attention_split(self, a: AttentionSpec, window: int | None,
-                        pattern: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    def cut(self, pattern: str, phase: Phase) -> str:
+        """How the phase's attention is cut into calls: `none` (one call, keys at home), `ring`
+        (one call per step), or the implementation's split of a collective."""
+        if pattern in ("none", "ring"):
+            return pattern
+        return self.facts(phase).split
+
+    def split(self, a: AttentionSpec, pattern: str, cut: str | None = None) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """The layer kind's attention split, counted once per layout ownership: it depends only on
+        the shares, the window and the cut, which most candidates of a search share."""
+        window = a.window if a.kind == "sliding" else None
+        cut = cut or ("local-remote" if pattern not in ("none", "ring") else pattern)
+        return self.derived(("attention-split", window, pattern, cut),
+                            lambda: self.attention_split(a, window, pattern, cut))
+
+    def attention_split(self, a: AttentionSpec, window: int | None, pattern: str,
+                        cut: str = "local-remote") -> list[tuple[str, np.ndarray, np.ndarray]]:
         """(name, pairs, keys in the call) per rank, by where the keys come from.
 
-        A collective transport splits the rank's own positions from the rows it receives; a ring
+        `whole`: one call over every key after the exchange; `local-remote`: the rank's own
+        positions and owned rows apart from the rows it receives; `noisy-prefix`: the noisy
+        queries over their own blocks apart from every query over the clean prefix; a ring
         splits the rest by step (the shard of the rank s places back in the ring).
         """
         lay = self.lay
@@ -386,10 +417,19 @@ class _Builder:
         if pattern == "none":
             return [("attn", total, self.positions)]
         queries = [QueryIntervals.of(lay, r, window) for r in range(self.n)]
-        local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
         if pattern != "ring":
             received = kv_rows.received(lay, a, "forward").astype(float)
+            if cut == "whole":
+                return [("attn", total, self.positions + received)]
+            if cut == "noisy-prefix":
+                own = [self.noisy_spans(r) for r in range(self.n)]
+                block = np.array([queries[r].pairs_with(own[r]) for r in range(self.n)], dtype=float)
+                noisy = np.array([sum(z - q for q, z in own[r]) for r in range(self.n)], dtype=float)
+                clean = self.positions - noisy + received
+                return [("attn.noisy-block", block, noisy), ("attn.prefix", total - block, clean)]
+            local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
             return [("attn.local", local, self.positions), ("attn.remote", total - local, received)]
+        local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
         parts = [("attn.local", local, self.positions)]
         owned = kv_rows.owned_rows(lay).astype(float)
         m = len(self.cp_sync[0])
@@ -406,29 +446,103 @@ class _Builder:
             parts.append((f"attn.ring{s}", step_pairs[s], step_keys[s]))
         return parts
 
-    def attention_work(self, a: AttentionSpec, part: tuple, backward: bool) -> Compute:
-        """pairs x 4 x head_dim x heads/tp forward (QK^T and PV), 2.5x that backward."""
-        _, pairs, keys = part
+    def noisy_spans(self, rank: int) -> tuple[Span, ...]:
+        """The noisy positions a rank holds (whole blocks under BP/CSBP)."""
+        L = self.lay.seq_len
+        return tuple((a, min(z, L)) for a, z in self.lay.shares[rank].positions if a < L)
+
+    def call_spans(self, rank: int, name: str) -> tuple[tuple[Span, ...], tuple[Span, ...]]:
+        """(query spans, key spans) of one named call of a rank, for counting its kernel tiles."""
+        L2 = 2 * self.lay.seq_len
+        everything = ((0, L2),)
+        positions = self.lay.shares[rank].positions
+        if name == "attn":
+            return positions, everything
+        if name == "attn.local":
+            return positions, self.local_keys(rank)
+        if name == "attn.remote":
+            local, out, at = self.local_keys(rank), [], 0
+            for a, z in local:
+                if a > at:
+                    out.append((at, a))
+                at = z
+            return positions, tuple(out) + (((at, L2),) if at < L2 else ())
+        if name == "attn.noisy-block":
+            own = self.noisy_spans(rank)
+            return own, own
+        if name == "attn.prefix":
+            return positions, ((self.lay.seq_len, L2),)
+        raise KeyError(name)
+
+    def tiles(self, a: AttentionSpec, name: str, pack: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """(full, partial) kernel tiles per rank of one call, in tiles per query head (per K/V
+        head when GQA heads are packed: then a tile holds 128 / group positions), or None for a
+        ring step (priced by pairs, its masked flag standing for partial tiles) [U]."""
+        if name.startswith("attn.ring"):
+            return None
+        window = a.window if a.kind == "sliding" else None
+        group = max(1, a.n_heads // max(a.n_kv_heads, 1)) if pack else 1
+        rows = max(1, ATTENTION_KERNEL_TILE // group)
+
+        def count():
+            out = np.zeros((2, self.n))
+            for r in range(self.n):
+                q, k = self.call_spans(r, name)
+                out[:, r] = tile_counts(q, k, self.lay.seq_len, self.lay.block, window, rows,
+                                        ATTENTION_KERNEL_TILE)
+            return out
+        return self.derived(("tiles", name, window, rows), count)
+
+    def attention_work(self, a: AttentionSpec, part: tuple, backward: bool, kernel: str = "best",
+                       pack: bool = False) -> Compute:
+        """pairs x 4 x head_dim x heads/tp forward (QK^T and PV), 2.5x that backward; and the
+        same for the kernel tiles the call really computes (`tiles.py`)."""
+        name, pairs, keys = part
         per_pair = self.w.micro_batch * 4 * a.head_dim * a.n_heads / self.tp
         if backward:
             per_pair *= ATTENTION_BACKWARD_FLOP_RATIO
-        tile = pairs / np.maximum(self.positions, 1)
+        queries = self.noisy / self.w.micro_batch if name == "attn.noisy-block" else self.positions
+        tile = pairs / np.maximum(queries, 1)
         masked = a.kind == "sliding" or self.w.block_size % ATTENTION_KERNEL_TILE != 0
+        counted = self.tiles(a, name, pack)
+        full = partial = ()
+        if counted is not None:
+            heads = (a.n_kv_heads if pack else a.n_heads) / self.tp
+            per_tile = self.w.micro_batch * 4 * ATTENTION_KERNEL_TILE ** 2 * a.head_dim * heads
+            if backward:
+                per_tile *= ATTENTION_BACKWARD_FLOP_RATIO
+            full, partial = self.per_rank(counted[0] * per_tile), self.per_rank(counted[1] * per_tile)
         return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(pairs * per_pair),
                        self.per_rank(0), 1, self.per_rank(tile), masked,
-                       self.per_rank(self.positions * keys * per_pair))
+                       self.per_rank(queries * keys * per_pair), kernel, full, partial)
 
     def kv_comm(self, a: AttentionSpec, phase: Phase, step: int, payload: str | None) -> Comm | None:
         """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank (counted
-        from the ownership by `kv_rows`, equal to the exchange's transfers)."""
+        from the ownership by `kv_rows`, equal to the exchange's transfers). An implementation
+        that pads collectives sizes every member's buffer by the group's largest shard; dK/dV
+        travel in its gradient dtype."""
         rows = kv_rows.step_received(self.lay, a, phase, step, payload)
-        nbytes = rows * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
         pattern = self.pattern(a, phase)
+        facts = self.facts(phase)
+        if pattern == "all-gather" and facts.pad_to_largest_shard:
+            rows = self.padded_rows()
+        gradients = phase == "backward" and (pattern != "ring" or payload == "dkv")
+        dt = facts.gradient_bytes or self.dt if gradients else self.dt
+        nbytes = rows * kv_row_bytes(a, dt, self.tp) * self.w.micro_batch
         if pattern == "ring":
             return self.comm("p2p", nbytes, self.g_ring, "attention-kv", kv_rows.ring_senders(self.lay))
         collective = "all-to-all" if pattern == "all-to-all" else (
             "reduce-scatter" if phase == "backward" else "all-gather")
         return self.comm(collective, nbytes, self.g_cp, "attention-kv")
+
+    def padded_rows(self) -> np.ndarray:
+        """Rows each member receives in an all-gather padded to its group's largest shard."""
+        owned = kv_rows.owned_rows(self.lay).astype(float)
+        out = np.zeros(self.n)
+        for g in self.cp_sync:
+            idx = list(g)
+            out[idx] = (len(g) - 1) * owned[idx].max()
+        return out
 
     def ulysses(self, a: AttentionSpec) -> tuple[Comm | None, Comm | None]:
         """Linear attention under CP/CSBP: sequence->head all-to-all of q, k, v, and back for the output."""
@@ -493,12 +607,21 @@ class _Builder:
         return self.add("mlp-out.rs", phase, li, self.mlp_collective("reduce-scatter"), x)
 
     def attend(self, li: int, a: AttentionSpec, phase: Phase, pattern: str, part: int, *deps: Deps) -> Deps:
-        """Append attention of the rank's queries over one key part of the layer kind's split."""
+        """Append attention of the rank's queries over one key part of the layer kind's split,
+        on the kernel family the implementation runs for that call."""
         backward = phase == "backward"
-        split = self.split(a, pattern)
-        work = self.cached(("attn", a, pattern, part, backward),
-                           lambda: self.attention_work(a, split[part], backward))
-        return self.add(split[part][0], phase, li, work, *deps)
+        cut = self.cut(pattern, phase)
+        split = self.split(a, pattern, cut)
+        name = split[part][0]
+        call = "ring" if name.startswith("attn.ring") else name.removeprefix("attn.")
+        if self.keys_at_home:  # the bound: the fastest kernel, GQA packed (fewest tiles)
+            kernel, pack = "best", True
+        else:
+            facts = self.facts(phase)
+            kernel, pack = facts.kernel(call), facts.packs(call)
+        work = self.cached(("attn", a, pattern, cut, part, backward, kernel, pack),
+                           lambda: self.attention_work(a, split[part], backward, kernel, pack))
+        return self.add(name, phase, li, work, *deps)
 
     def merge(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
         """Combine two partial attention outputs by their LSE (memory-bound, per query row)."""
@@ -525,15 +648,33 @@ class _Builder:
     def pattern(self, a: AttentionSpec, phase: Phase) -> str:
         return "none" if self.keys_at_home else kv_rows.pattern(self.lay, a, phase)
 
+    def copies(self, name: str, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
+        """Copies the implementation puts on the critical path around a collective: full passes
+        (read + write) over every K/V row of the call, or their dK/dV in the gradient dtype."""
+        facts = self.facts(phase)
+        if not facts.copy_passes:
+            return self.add(name, phase, li, None, *deps)
+        backward = phase == "backward"
+        dt = (facts.gradient_bytes or self.dt) if backward else self.dt
+        rows = self.positions + kv_rows.received(self.lay, a, "forward")
+        work = self.cached(("copies", a, phase), lambda: self.memory_bound(
+            facts.copy_passes * 2 * rows * kv_row_bytes(a, dt, self.tp) * self.w.micro_batch))
+        return self.add(name, phase, li, work, *deps)
+
     def attention_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
-        """Local attention runs while the remote K/V arrive; the rest waits for them."""
+        """Attention over keys at home runs while the rest arrive, unless the implementation
+        waits on the exchange at once; the call over received keys waits for them."""
         pattern = self.pattern(a, phase)
         if pattern == "none":
             return self.attend(li, a, phase, pattern, 0, x)
         if pattern != "ring":
             gather = self.move_kv("kv.gather", li, a, phase, 0, None, self.pack_kv(li, a, phase, x))
-            local = self.attend(li, a, phase, pattern, 0, x)
-            return self.merge(li, a, phase, self.attend(li, a, phase, pattern, 1, local, gather))
+            ready = self.copies("kv.reorder", li, a, phase, gather)
+            if self.cut(pattern, phase) == "whole":
+                return self.attend(li, a, phase, pattern, 0, x, ready)
+            waited = ready if self.facts(phase).exchange == "immediate" else ()
+            local = self.attend(li, a, phase, pattern, 0, x, waited)
+            return self.merge(li, a, phase, self.attend(li, a, phase, pattern, 1, local, ready))
         # ring with two K/V buffers: step s lands once step s-2 has been consumed
         done, kv = [self.attend(li, a, phase, pattern, 0, x)], x
         for s in range(1, len(self.split(a, pattern))):
@@ -542,15 +683,21 @@ class _Builder:
         return done[-1]
 
     def attention_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
-        """Remote pairs first, so their dK/dV travel home while the local backward runs."""
+        """Remote pairs first, so their dK/dV travel home while the local backward runs (unless
+        the implementation waits on the reduce-scatter at once)."""
         ph: Phase = "backward"
         pattern = self.pattern(a, ph)
         if pattern == "none":
             return self.attend(li, a, ph, pattern, 0, x)
         if pattern != "ring":
+            if self.cut(pattern, ph) == "whole":
+                call = self.attend(li, a, ph, pattern, 0, x)
+                scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, self.copies("dkv.copies", li, a, ph, call))
+                return self.pack_kv(li, a, ph, scatter, call)
             remote = self.attend(li, a, ph, pattern, 1, self.merge(li, a, ph, x))
-            scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, remote)
-            local = self.attend(li, a, ph, pattern, 0, remote)  # while dK/dV travel home
+            scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, self.copies("dkv.copies", li, a, ph, remote))
+            waited = scatter if self.facts(ph).exchange == "immediate" else ()
+            local = self.attend(li, a, ph, pattern, 0, remote, waited)  # while dK/dV travel home
             return local + self.pack_kv(li, a, ph, scatter, local)
         # ring with two K/V buffers: K/V of step s land once step s-2 is consumed; the partial
         # dK/dV of a shard move on after the rank has added its share (step s-1), and the last
@@ -696,16 +843,44 @@ class _Builder:
             return None
         return self.gemm(2 * self.context * self.m.conditioning_layers * self.m.hidden ** 2 / self.tp)
 
+    def storage_read(self) -> Compute | None:
+        """Stored inputs read inside the step (a drafter's offline target features): each rank
+        reads the features of the context tokens it holds, at its share of the node's storage
+        bandwidth, since every rank of a node reads at the step's start (implementation.md
+        section 5: the measured step includes loading its data and target features).
+
+        Which tokens a rank reads is an assumption [U]: the ones it turns into K/V (a loader that
+        reads the whole example on every context rank reads cp x more); TP peers read the same.
+        """
+        per_token = self.obj.stored_bytes_per_token(self.m)
+        if not per_token or not self.context.any():
+            return None
+        return Compute("storage-read", self.per_rank(0), self.per_rank(self.context * per_token),
+                       readers=min(self.gpn, self.p.world))
+
+    def canvas_sync(self, x: Deps) -> Deps:
+        """Whether the self-conditioning pass runs is one MAX all-reduce of a flag over its sync
+        group, every step (implementation.md section 4, DiffusionGemma)."""
+        axis = self.obj.canvas_sync_axis
+        if axis is None or not self.obj.canvas_passes:
+            return x
+        group = {"ep": self.g_ep}[axis]
+        return self.add(f"selfcond.draw.{axis}-max", "forward", None, self.comm(
+            "all-reduce", COUNT_BYTES * 2 * self.ring_share(group), group, "other"), x)
+
     def canvas_pass(self, x: Deps) -> Deps:
-        """Self-conditioning: the expected share of a gradient-free forward of the canvas tokens
-        and their LM head, appended as work scaled by the pass's probability."""
+        """Self-conditioning: the expected share of a gradient-free forward of the canvas tokens,
+        their LM head and softmax, and the soft embedding they feed, appended as work scaled by
+        the pass's probability."""
         p = self.obj.canvas_passes
         sub = _Builder(self.m, self.w, self.p, canvas_view(self.lay), self.gpn, self.ops, self.notes,
-                       keys_at_home=self.keys_at_home)
+                       keys_at_home=self.keys_at_home, implementation=self.impl)
         start = len(self.ops)
         for li, a in enumerate(self.m.layers):
             x = sub.layer(li, a, "forward", x)
-        x = sub.loss_forward(x)
+        x = sub.loss_forward(x, sub.noisy)
+        if self.obj.soft_embedding:
+            x = sub.soft_embedding(x)
         scaled: dict[int, Work] = {}
         for op in self.ops[start:]:
             if id(op.work) not in scaled:
@@ -713,18 +888,38 @@ class _Builder:
             self.ops[op.index] = op._replace(name=f"selfcond.{op.name}", work=scaled[id(op.work)])
         return x
 
-    def loss_forward(self, x: Deps) -> Deps:
-        """Vocabulary-parallel LM head and cross-entropy over the loss tokens (the noisy ones)."""
+    def loss_rows(self) -> np.ndarray:
+        """Rows the LM head and loss run on: the noisy tokens, and every clean row too when the
+        objective adds an autoregressive loss on the clean stream (DiffusionGemma); a clean row
+        replicated on several ranks (pure BP, CSBP's replicas) runs it on each [U]."""
+        return self.tokens if self.obj.clean_loss else self.noisy
+
+    def head_calls(self, per_block: int) -> int:
+        """GEMM calls of the LM head: `per_block` per vocabulary block of the rank's V/tp."""
+        blk = self.obj.vocab_block
+        return per_block * (math.ceil(self.m.vocab / self.tp / blk) if blk else 1)
+
+    def loss_forward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
+        """Vocabulary-parallel LM head and cross-entropy over the loss rows (`loss_rows`)."""
         h, V = self.m.hidden, self.m.vocab
-        x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", self.noisy), x)
-        x = self.add("lm-head", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
+        rows = self.loss_rows() if rows is None else rows
+        x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", rows), x)
+        x = self.add("lm-head", "forward", None, self.gemm(2 * rows * h * V / self.tp, self.head_calls(1)), x)
         # vocabulary-parallel cross-entropy: each row's max logit, then its target logit and sum
         # of exponentials, all-reduced over TP in fp32 (Megatron's algorithm)
         for name, values in (("max", 1), ("sums", 2)):
             x = self.add(f"cross-entropy.{name}.ar", "forward", None, self.comm(
-                "all-reduce", self.noisy * values * LOSS_BYTES * 2 * self.ring_share(self.g_tp),
+                "all-reduce", rows * values * LOSS_BYTES * 2 * self.ring_share(self.g_tp),
                 self.g_tp, "tp"), x)
-        return self.add("cross-entropy", "forward", None, self.memory_bound(self.noisy * V / self.tp * 4 * 3), x)
+        return self.add("cross-entropy", "forward", None, self.memory_bound(rows * V / self.tp * 4 * 3), x)
+
+    def soft_embedding(self, x: Deps) -> Deps:
+        """Self-conditioning's soft embedding: the canvas's probabilities times the embedding
+        matrix, each TP rank over its V/tp rows, the partial sums reduce-scattered to the
+        sequence shards as the embedding's are (implementation.md section 4, DiffusionGemma (2))."""
+        h, V = self.m.hidden, self.m.vocab
+        x = self.add("soft-embed", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
+        return self.add("soft-embed.rs", "forward", None, self.tp_collective("reduce-scatter", self.noisy), x)
 
     # -- the step ------------------------------------------------------------------------------
     def build(self) -> StepGraph:
@@ -748,14 +943,19 @@ class _Builder:
                           + ("; updated parameters all-gathered after the optimizer, not hidden "
                              "behind the next step" if w.zero_stage in (1, 2) else ""))
         embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
-        # the LM head's backward: input and weight gradients, or the input gradient of a frozen head
-        head_ratio = 1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO
+        # the LM head's backward: input and weight gradients, or the input gradient of a frozen
+        # head; plus the forward again where the logits are recomputed in backward
+        head_ratio = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO) + obj.head_recompute
+        head_calls = (1 if obj.frozen_embeddings else 2) + obj.head_recompute
+        loss_rows = self.loss_rows()
         grads, x = (), ()
         bucketed = not self.one_bucket
+        # the step's stored inputs, read before anything can use them: exposed
+        x = self.add("data.storage-read", "data", None, self.storage_read(), x)
         if obj.canvas_passes:
-            x = self.canvas_pass(x)
-        for v in range(obj.views):
-            last_view = v == obj.views - 1
+            x = self.canvas_pass(self.canvas_sync(x))
+        for v in range(obj.passes):
+            last_view = v == obj.passes - 1
             x = self.add("embed", "forward", None, embed, x)
             # vocabulary-parallel embedding: partial embeddings reduce-scattered to the shards
             x = self.add("embed.rs", "forward", None, self.tp_collective("reduce-scatter"), x)
@@ -767,8 +967,8 @@ class _Builder:
                 x = self.layer(li, a, "forward", x + prefetch)
             x = self.loss_forward(x)
             x = self.add("lm-head-bwd", "backward", None, self.gemm(
-                head_ratio * 2 * self.noisy * h * V / self.tp, 2 if head_ratio > 1 else 1), x)
-            x = self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", self.noisy), x)
+                head_ratio * 2 * loss_rows * h * V / self.tp, self.head_calls(head_calls)), x)
+            x = self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", loss_rows), x)
             if last_view and bucketed and head_params and not m.tie_embeddings:
                 grads += self.grad_sync(None, head_params, 0.0, x)
             prefetch = ()
@@ -801,14 +1001,16 @@ class _Builder:
         step = self.add("adamw", "optimizer", None, self.optimizer(), x, grads, loss)
         if w.zero_stage in (1, 2):
             self.param_gather("updated-params", "param-sync", None, *self.trained_params(), step)
-        return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.views, tuple(self.notes))
+        return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.passes * obj.rows_per_example,
+                         tuple(self.notes))
 
     def model_flops(self) -> float:
         """One context group's step math, counted once: 3x forward GEMMs, 3.5x attention.
 
-        The graph's formulas on the unsplit sequence (every view, the expected self-conditioning
-        forward), so replicated work (pure BP's clean prefix, CSBP's clean replicas, CP's replicated
-        draft decoder) and recompute do not count as useful work.
+        The graph's formulas on the unsplit sequence (every row, the clean stream's AR loss, the
+        expected self-conditioning forward with its soft embedding), so replicated work (pure
+        BP's clean prefix, CSBP's clean replicas, CP's replicated draft decoder) and recompute
+        (a frozen head's recomputed logits included) do not count as useful work.
         """
         m, obj = self.m, self.obj
         draft = _anchor_tokens(self.w) if obj.context_as_kv else None
@@ -822,10 +1024,12 @@ class _Builder:
             return total * self.w.micro_batch
         L, b = self.w.seq_len, self.w.block_size
         pairs = {a: _sequence_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
-        main = self._layers_flops(2 * L, pairs, 3.0) + 3 * 2 * L * m.hidden * m.vocab
+        head = 2 * L * m.hidden * m.vocab  # the LM head's forward over L rows
+        main = self._layers_flops(2 * L, pairs, 3.0) + 3 * head * (2 if obj.clean_loss else 1)
         canvas = {a: _canvas_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
-        selfcond = self._layers_flops(L, canvas, 1.0) + 2 * L * m.hidden * m.vocab
-        return (obj.views * main + obj.canvas_passes * selfcond) * self.w.micro_batch
+        selfcond = self._layers_flops(L, canvas, 1.0) + head * (2 if obj.soft_embedding else 1)
+        # micro_batch counts the batch's rows (`batch_rows`): an objective's rows are all useful
+        return (obj.passes * main + obj.canvas_passes * selfcond) * self.w.micro_batch
 
     def _layers_flops(self, tokens: float, pairs: dict[AttentionSpec, float], gemm_x: float) -> float:
         """Every layer's GEMMs on `tokens` (x gemm_x) and attention on its pairs (x gemm_x + 0.5

@@ -74,6 +74,21 @@ def interpolate(curve: Sequence[Sequence[float]], x: float, log_x: bool = True) 
     return y0 + t * (y1 - y0)
 
 
+class KernelFamily(BaseModel):
+    """One attention kernel family on this GPU (FA3, FA4, Triton FlexAttention, cuDNN, ...).
+
+    Its speed is the GPU's FA3-class curves times a factor per pass: the public comparisons
+    (implementation.md section 6) measure families side by side at 2K-16K, where their ratio is
+    nearly flat, while the curves' shape over tile length is only known for FA3. Every family
+    listed works on 128 x 128 tiles (graph.ATTENTION_KERNEL_TILE).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    forward_factor: Positive  # x the FA3-class forward efficiency
+    backward_factor: Positive
+
+
 class GPU(BaseModel):
     """One accelerator: capacity, peaks, and how much of the peaks real kernels reach."""
 
@@ -93,6 +108,13 @@ class GPU(BaseModel):
     attention_backward_efficiency: Curve
     masked_attention_efficiency_factor: Fraction  # multiplier for partially masked tiles
     op_overhead_us: OptionalPositive = None  # fixed cost per op (launch, dispatch); None = ignore
+    # attention kernel families by name (implementation profiles say which runs each call);
+    # empty: every call runs at the curves above (CPU hosts: the runtime's own attention)
+    attention_kernels: dict[str, KernelFamily] = Field(default_factory=dict)
+    # communication kernels beside compute (implementation.md section 7): the share of SMs an
+    # NCCL kernel keeps, and HBM bytes it moves per byte on the link; None = no interference
+    comm_sm_share: OptionalFraction = None
+    comm_hbm_traffic_ratio: OptionalPositive = None
     optimizer_efficiency: OptionalFraction = None  # the optimizer's own; None = hbm_efficiency
     # True: attention computes every score of the queries x keys a rank holds, masked or not
     # (explicit math on CPU), so its work is that rectangle, not the mask's pairs
@@ -127,6 +149,20 @@ class GPU(BaseModel):
         """Memory left for weights, optimizer state and activations."""
         return self.memory_gib - self.reserved_gib
 
+    def kernel_factor(self, family: str, backward: bool) -> float:
+        """Speed of a kernel family relative to the curves; `best` is the fastest this GPU lists,
+        and a GPU listing none (a CPU host) runs everything at its curves."""
+        if not self.attention_kernels:
+            return 1.0
+        if family == "best":
+            return max(k.backward_factor if backward else k.forward_factor
+                       for k in self.attention_kernels.values())
+        k = self.attention_kernels.get(family)
+        if k is None:
+            raise InputError(f"the GPU {self.name!r} lists no attention kernel {family!r}: it has "
+                             f"{', '.join(self.attention_kernels)}")
+        return k.backward_factor if backward else k.forward_factor
+
 
 DENSE_CURVES = ("dense_visible_forward_efficiency", "dense_visible_backward_efficiency",
                 "dense_masked_forward_efficiency", "dense_masked_backward_efficiency")
@@ -148,6 +184,15 @@ class Node(BaseModel):
     # when ranks outnumber cores, the fraction of its cores / ranks share a rank really gets
     # (each switch between ranks on a core leaves the next one a cache full of the other's data)
     sharing_efficiency: OptionalFraction = None
+    # GB/s the node's local storage reads at, summed over the node: per node because the drives
+    # (or the file-system client) are a node resource that its GPUs' readers share; a step whose
+    # data is read inside it (a drafter's offline target features, implementation.md section 5)
+    # waits for its share. None = not given: such reads are not priced.
+    storage_gbs: OptionalPositive = None
+
+    def storage_share_gbs(self, readers: int) -> float | None:
+        """GB/s one of `readers` ranks of this node reading at once gets (None: not given)."""
+        return None if self.storage_gbs is None else self.storage_gbs / max(readers, 1)
 
     def core_share(self, ranks: int) -> float:
         """Fraction of its full compute speed each of `ranks` busy ranks on this host gets (1 on
@@ -231,6 +276,9 @@ class HardwareProfile(BaseModel):
     node: Node
     links: Links
     sources: dict[str, str] = Field(default_factory=dict)  # dotted field path -> source, filled on load
+    # the software the cluster runs (an implementation profile's name or path, `implementation.py`):
+    # not hardware, but chosen with it (`--implementation`) and carried wherever the profile goes
+    implementation: str = "turbo-dllm"
 
     @model_validator(mode="before")
     @classmethod
@@ -277,6 +325,21 @@ class HardwareProfile(BaseModel):
         peak = gpu.peak_tflops * 1e12
         return visible / (peak * interpolate(vis, x)) + (dense_flops - visible) / (peak * interpolate(masked, x))
 
+    def overlap_slowdown(self, memory_bound: bool) -> float:
+        """How much longer a kernel takes while an NCCL kernel runs beside it (1: no figures).
+
+        Mechanism (implementation.md 7): compute-bound kernels lose the SMs NCCL's channels hold;
+        memory-bound kernels lose the HBM bandwidth NCCL's traffic takes, `comm_hbm_traffic_ratio`
+        bytes per link byte at NVLink's ring bandwidth (the busiest case) [U]."""
+        gpu = self.gpu
+        if memory_bound:
+            if self.gpu.comm_hbm_traffic_ratio is None:
+                return 1.0
+            share = min(0.9, gpu.comm_hbm_traffic_ratio * self.links.nvlink.collective_gbs
+                        / (gpu.hbm_gbs * gpu.hbm_efficiency))
+            return 1.0 / (1.0 - share)
+        return 1.0 / (1.0 - gpu.comm_sm_share) if gpu.comm_sm_share is not None else 1.0
+
     def on_one_host(self, ranks: int) -> "HardwareProfile":
         """The same hardware with all `ranks` on one node (a CPU host running that many ranks)."""
         return self.model_copy(update={"node": self.node.model_copy(update={"gpus_per_node": ranks})})
@@ -308,6 +371,9 @@ def _unwrap(cls: type[BaseModel], data: dict, prefix: str, sources: dict[str, st
             if not isinstance(value["source"], str) or not value["source"].strip():
                 raise ValueError(f"{path}: source must be a non-empty string")
             out[key], sources[path] = value["value"], value["source"].strip()
+        elif (section := _named_sections(field.annotation)) and isinstance(value, dict):
+            out[key] = {name: _unwrap(section, v, f"{path}.{name}.", sources) if isinstance(v, dict) else v
+                        for name, v in value.items()}
         elif (section := _section_model(field.annotation)) and isinstance(value, dict):
             out[key] = _unwrap(section, value, path + ".", sources)
     return out
@@ -318,6 +384,14 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
     for candidate in (annotation, *get_args(annotation)):
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return candidate
+    return None
+
+
+def _named_sections(annotation: Any) -> type[BaseModel] | None:
+    """The model of a `dict[str, Model]` field (sections keyed by name, e.g. kernel families)."""
+    args = get_args(annotation)
+    if getattr(annotation, "__origin__", None) is dict and len(args) == 2 and args[0] is str:
+        return _section_model(args[1])
     return None
 
 

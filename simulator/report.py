@@ -54,6 +54,9 @@ def result_table(result: Result, title: str | None = None) -> Table:
         table.add_row("memory per rank", " ".join(f"{m:.1f}" for m in result.memory_per_rank_gib) + " GiB")
     table.add_row("attention traffic / GPU", f"{result.attention_traffic_gib_per_gpu:.2f} GiB")
     table.add_row("exposed communication", fmt_time(result.exposed_comm_s))
+    if result.stretched_compute_s:
+        table.add_row("compute slowed by overlap", fmt_time(result.stretched_compute_s))
+    table.add_row("implementation", result.implementation)
     if result.mfu is not None:
         table.add_row("MFU", f"{result.mfu:.1%}")
     for phase, seconds in result.phases_s.items():

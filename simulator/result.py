@@ -49,7 +49,9 @@ class Result:
     peak_breakdown_gib: dict[str, float] = field(default_factory=dict)  # by category, then
     attention_traffic_gib_per_gpu: float = 0.0  # K/V + dK/dV received per step, max over ranks
     comm_gib_per_gpu: dict[str, float] = field(default_factory=dict)  # by category, received
-    exposed_comm_s: float | None = None  # communication time not hidden behind compute
+    exposed_comm_s: float | None = None  # communication not overlapped by any compute (as profilers count it)
+    stretched_compute_s: float = 0.0  # compute time added by collectives running beside it (interference)
+    implementation: str = "turbo-dllm"  # what the cluster's framework executes (implementation profile)
     phases_s: dict[str, float] = field(default_factory=dict)  # time by phase on the critical rank
     flops_per_gpu: float = 0.0
     mfu: float | None = None

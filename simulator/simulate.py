@@ -38,15 +38,16 @@ ALSO_CLEARED.append(_GRAPHS.clear)
 
 
 def _step_graph(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout, gpus_per_node: int,
-                one_bucket: bool) -> StepGraph:
+                one_bucket: bool, implementation: str) -> StepGraph:
     """The step graph, kept for the last few plans: engines only read a graph, so a plan
     simulated again with another engine does not rebuild it."""
-    key = (id(model), workload, plan, gpus_per_node, one_bucket)
+    key = (id(model), workload, plan, gpus_per_node, one_bucket, implementation)
     hit = _GRAPHS.get(key)
     if hit is not None and hit[0] is model:
         _GRAPHS.move_to_end(key)
         return hit[1]
-    graph = StepGraph.build(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket)
+    graph = StepGraph.build(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket,
+                            implementation=implementation)
     _GRAPHS[key] = (model, graph)
     while len(_GRAPHS) > 1 and (len(_GRAPHS) > _GRAPHS_KEPT or
                                 sum(len(g.ops) for _, g in _GRAPHS.values()) > _GRAPH_OPS_KEPT):
@@ -65,7 +66,8 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     gpus = nodes * profile.node.gpus_per_node
     plan.check_against(model, workload, world=gpus)
     layout = Layout.build(workload, plan)
-    graph = _step_graph(model, workload, plan, layout, profile.node.gpus_per_node, not overlap)
+    graph = _step_graph(model, workload, plan, layout, profile.node.gpus_per_node, not overlap,
+                        profile.implementation)
     memory = estimate_memory(model, workload, plan, layout, profile)
     notes = list(ASSUMPTIONS) + list(graph.notes)
     used = engine if memory.feasible else "closed-form"
@@ -108,6 +110,8 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         attention_traffic_gib_per_gpu=float(kv.max()) * passes / GIB,
         comm_gib_per_gpu={k: float(v.max()) / GIB for k, v in received.items()},
         exposed_comm_s=summary.exposed_comm_s,
+        stretched_compute_s=summary.stretched_compute_s,
+        implementation=profile.implementation,
         phases_s=summary.phases_s,
         flops_per_gpu=float(executed.max()),
         mfu=useful / (gpus * peak * step) if step > 0 else None,

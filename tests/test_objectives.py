@@ -1,9 +1,11 @@
-"""Objectives: views, self-conditioning, the drafter's anchor layout, frozen parameters."""
+"""Objectives as the reference executes them (implementation.md section 4): Fast-dLLM v2's rows,
+DiffusionGemma's role passes, the drafter's anchors, storage read and frozen head."""
 
 import numpy as np
 import pytest
 
-from csbp.simulator.graph import StepGraph
+from csbp.simulator.cost import seconds as cost_seconds
+from csbp.simulator.graph import Comm, Compute, StepGraph
 from csbp.simulator.hardware import load_profile
 from csbp.simulator.layout import Layout
 from csbp.simulator.memory import estimate_memory, weight_state
@@ -11,6 +13,7 @@ from csbp.simulator.objective_layout import AnchorLayout, anchor_blocks, canvas_
 from csbp.simulator.objectives import objective_shape
 from csbp.simulator.plan import Plan
 from csbp.simulator.presets import load_model
+from csbp.simulator.simulate import simulate
 from csbp.simulator.spans import intersect, normalize, size
 from csbp.simulator.workload import Workload
 
@@ -26,28 +29,63 @@ def graph(model, plan, **workload):
 
 def test_shapes_per_objective():
     w = Workload(seq_len=1024, block_size=64)
-    assert objective_shape(w, TINY).views == 1
-    assert objective_shape(w.model_copy(update={"objective": "fast-dllm-v2"}), TINY).views == 2
+    bd3 = objective_shape(w, TINY)
+    assert (bd3.passes, bd3.rows_per_example, bd3.canvas_passes, bd3.stored_features) == (1, 1, 0.0, 0)
+    fast = objective_shape(w.model_copy(update={"objective": "fast-dllm-v2"}), TINY)
+    assert (fast.passes, fast.rows_per_example) == (1, 2)  # two rows in one pass, not two passes
     dg = objective_shape(w.model_copy(update={"objective": "diffusiongemma"}), GEMMA)
     assert dg.canvas_passes == 0.5 and dg.frozen_router and not dg.frozen_embeddings
+    assert dg.clean_loss and dg.soft_embedding and dg.canvas_sync_axis == "ep"
     df = objective_shape(w.model_copy(update={"objective": "dflash2"}), DRAFTER)
-    assert df.context_as_kv and df.frozen_embeddings and df.vocab_block == 32768
+    assert df.context_as_kv and df.frozen_embeddings and df.vocab_block == 32768 and df.head_recompute
+    assert df.stored_bytes_per_token(DRAFTER) == 5 * 5120 * 2  # ~51 KB per context token
 
 
-def test_fast_dllm_v2_runs_two_full_views():
+def test_fast_dllm_v2_runs_two_rows_in_one_pass():
     plan = Plan(cp=2, bp=2)
     one, two = graph(TINY, plan), graph(TINY, plan, objective="fast-dllm-v2")
     assert two.model_flops == pytest.approx(2 * one.model_flops)
     assert two.flops().sum() == pytest.approx(2 * one.flops().sum())  # the optimizer moves bytes only
+    # one forward/backward: the same ops, each call carrying both rows
+    assert [op.name for op in two.ops] == [op.name for op in one.ops]
+    for a, b in zip(one.ops, two.ops):
+        if isinstance(a.work, Compute) and a.work.kind == "gemm":  # one call of twice the size
+            assert b.work.kernels == a.work.kernels
+            assert b.work.flops == pytest.approx(tuple(2 * f for f in a.work.flops))
+        if isinstance(a.work, Comm) and a.work.category == "attention-kv":  # one latency, 2x bytes
+            assert b.work.collective == a.work.collective
+            assert b.work.bytes == pytest.approx(tuple(2 * x for x in a.work.bytes))
+        if isinstance(a.work, Comm) and a.work.category == "gradients":  # reduced once
+            assert b.work.bytes == a.work.bytes
+    gathers = [op for op in two.ops if op.name == "kv.gather"]
+    assert len(gathers) == len({(op.layer, op.phase) for op in gathers})  # one per layer and phase
+    assert two.views == 2  # rows per example: the attention traffic the report counts
 
 
-def test_self_conditioning_adds_its_expected_canvas_forward():
+def test_fast_dllm_v2_throughput_counts_examples_not_rows():
+    w = Workload(seq_len=1024, block_size=64, objective="fast-dllm-v2")
+    plan = Plan(dp=4, cp=2, bp=2)
+    r = simulate(TINY, w, plan, load_profile("h200"), nodes=1)
+    assert r.tokens_per_s * r.step_time_s == pytest.approx(1024 * plan.sequences)  # L per example
+
+
+def test_diffusiongemma_adds_the_clean_stream_ar_loss():
+    plan = Plan(cp=2, bp=2)  # one clean shard per rank: every clean row once
+    bd3 = graph(TINY, plan)
+    off = graph(TINY, plan, objective="diffusiongemma", self_conditioning=0.0)
+    head = 2 * 1024 * TINY.hidden * TINY.vocab  # the LM head over the L clean rows
+    # a dense model without self-conditioning: BD3-LM plus the AR head, forward and backward
+    assert off.flops().sum() - bd3.flops().sum() == pytest.approx(3 * head)
+    assert off.model_flops - bd3.model_flops == pytest.approx(3 * head)
+    rows = [op.work.flops for op in off.ops if op.name == "lm-head"][0]
+    assert sum(rows) == pytest.approx(head * 2)  # noisy and clean rows: 2L
+
+
+def test_self_conditioning_adds_its_expected_canvas_forward_and_soft_embedding():
     plan = Plan(cp=2, bp=2)
     off = graph(TINY, plan, objective="diffusiongemma", self_conditioning=0.0)
     half = graph(TINY, plan, objective="diffusiongemma", self_conditioning=0.5)
     full = graph(TINY, plan, objective="diffusiongemma", self_conditioning=1.0)
-    # a dense model has no router: without self-conditioning the step is BD3-LM's
-    assert off.flops().sum() == pytest.approx(graph(TINY, plan).flops().sum())
     extra_half = half.flops().sum() - off.flops().sum()
     assert extra_half > 0
     assert full.flops().sum() - off.flops().sum() == pytest.approx(2 * extra_half)
@@ -55,7 +93,75 @@ def test_self_conditioning_adds_its_expected_canvas_forward():
     assert selfcond and all(op.phase == "forward" for op in selfcond)
     # the canvas pass moves clean K/V again, as the main forward does
     assert any(op.stream == "comm" and op.work.category == "attention-kv" for op in selfcond)
+    # its logits feed a soft embedding: probabilities x embedding over the L canvas rows
+    soft = [op for op in selfcond if op.name == "selfcond.soft-embed"]
+    assert len(soft) == 1 and sum(soft[0].work.flops) == pytest.approx(0.5 * 2 * 1024 * TINY.hidden * TINY.vocab)
     assert half.model_flops > off.model_flops
+
+
+def test_self_conditioning_runs_when_any_example_of_the_ep_group_draws_it():
+    moe = load_model("tiny-moe")
+    w = Workload(seq_len=1024, block_size=64, objective="diffusiongemma", self_conditioning=0.5)
+    assert objective_shape(w, moe, Plan(ep=2, cp=2, bp=2)).canvas_passes == pytest.approx(1 - 0.5 ** 2)
+    assert objective_shape(w, moe, Plan(ep=4)).canvas_passes == pytest.approx(1 - 0.5 ** 4)
+    ep1, ep2 = (graph(moe, Plan(ep=e, cp=2, bp=2), objective="diffusiongemma") for e in (1, 2))
+
+    def head(g):
+        return sum(op.work.flops[0] for op in g.ops if op.name == "selfcond.lm-head")
+
+    assert head(ep2) == pytest.approx(head(ep1) * 0.75 / 0.5)
+    # the draw is one MAX all-reduce over the EP group, before the pass
+    draws = [op for op in ep2.ops if op.name == "selfcond.draw.ep-max"]
+    assert len(draws) == 1 and draws[0].work.collective == "all-reduce" and draws[0].work.group.size == 2
+    assert not any(op.name == "selfcond.draw.ep-max" for op in ep1.ops)
+
+
+def test_dflash2_reads_its_target_features_from_storage_at_the_step_start():
+    w = dict(seq_len=8192, block_size=8, objective="dflash2", max_anchors=256, checkpointing="none")
+    g = graph(DRAFTER, Plan(cp=8), **w)
+    read = g.ops[0]
+    assert read.name == "data.storage-read" and read.phase == "data" and not read.deps
+    assert read.work.kind == "storage-read" and read.work.readers == 8  # every GPU of the node reads
+    # each context rank reads the features of the context it holds: 5 x hidden x bf16 per token
+    assert read.work.bytes == pytest.approx((8192 / 8 * 5 * 5120 * 2,) * 8)
+    h100 = load_profile("h100")
+    share = h100.node.storage_gbs / 8 * 1e9
+    assert cost_seconds(read.work, h100) == pytest.approx(np.array(read.work.bytes) / share)
+    # the fc projection (and so every draft layer) waits for it: on the critical path
+    fc = next(op for op in g.ops if op.name == "fc-conditioning")
+    before, todo = set(), list(fc.deps)
+    while todo:
+        i = todo.pop()
+        if i not in before:
+            before.add(i)
+            todo.extend(g.ops[i].deps)
+    assert read.index in before
+    # a profile without a storage figure leaves the read unpriced
+    bare = h100.model_copy(update={"node": h100.node.model_copy(update={"storage_gbs": None})})
+    assert not cost_seconds(read.work, bare).any()
+    assert not any(op.work.kind == "storage-read" for op in graph(TINY, Plan(cp=2)).ops
+                   if isinstance(op.work, Compute))
+
+
+def test_dflash2_step_time_includes_the_exposed_read():
+    w = Workload(seq_len=65536, block_size=8, objective="dflash2", max_anchors=512, checkpointing="none")
+    plan = Plan(cp=8, bp=8)
+    h100 = load_profile("h100")
+    bare = h100.model_copy(update={"node": h100.node.model_copy(update={"storage_gbs": None})})
+    read = 65536 / 8 * 5 * 5120 * 2 / (h100.node.storage_gbs / 8 * 1e9)
+    with_read, without = (simulate(DRAFTER, w, plan, p, nodes=1) for p in (h100, bare))
+    assert with_read.step_time_s - without.step_time_s == pytest.approx(read, rel=1e-6)
+    assert with_read.phases_s["data"] == pytest.approx(read, rel=1e-6)
+
+
+def test_dflash2_frozen_head_recomputes_its_logits_in_backward_by_vocabulary_block():
+    w = dict(seq_len=8192, block_size=8, objective="dflash2", max_anchors=256, checkpointing="none")
+    g = graph(DRAFTER, Plan(cp=8), **w)
+    fwd = next(op.work for op in g.ops if op.name == "lm-head")
+    bwd = next(op.work for op in g.ops if op.name == "lm-head-bwd")
+    blocks = -(-DRAFTER.vocab // 32768)
+    assert fwd.kernels == blocks and bwd.kernels == 2 * blocks  # recomputed logits + input gradient
+    assert bwd.flops == pytest.approx(tuple(2 * f for f in fwd.flops))
 
 
 def test_canvas_view_keeps_only_noisy_queries():

@@ -87,7 +87,7 @@ def test_new_profiles_ship():
     assert b200.node.gpus_per_node == 8 and nvl72.node.gpus_per_node == 72
     assert b200.gpu.peak_tflops > load_profile("h200").gpu.peak_tflops
     for p in (b200, nvl72):  # every figure sourced; the carried-over ones say they are assumed
-        assert all(s.strip() for s in p.sources.values()) and len(p.sources) == 24
+        assert all(s.strip() for s in p.sources.values()) and len(p.sources) == 25  # + node.storage_gbs
         assert "[U]" in p.sources["gpu.attention_forward_efficiency"]
 
 

@@ -57,13 +57,27 @@ def simulate_graph(graph: StepGraph, profile: HardwareProfile, engine: str = "de
         from csbp.simulator.errors import InputError
 
         raise InputError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
-    return run(graph, d, overlap), d
+    return run(graph, d, overlap, stretch=stretch(graph, profile)), d
+
+
+def stretch(graph: StepGraph, profile: HardwareProfile) -> np.ndarray | None:
+    """Per op, how much slower it runs beside a transfer (1 for transfers), or None when the
+    profile gives no interference figures (CPU hosts: gloo's threads are priced by core sharing)."""
+    memory, compute = profile.overlap_slowdown(True), profile.overlap_slowdown(False)
+    if memory == 1.0 and compute == 1.0:
+        return None
+    works, which = graph.works()
+    per_work = np.array([1.0 if isinstance(w, Comm) else
+                         memory if w.kind in ("elementwise", "optimizer", "storage-read") else compute
+                         for w in works])
+    return per_work[which]
 
 
 @dataclass(frozen=True)
 class Summary:
     step_time_s: float
     exposed_comm_s: float
+    stretched_compute_s: float
     phases_s: dict[str, float]
     trace: list[TraceEvent]
 
@@ -78,7 +92,9 @@ def summarize(graph: StepGraph, timeline: Timeline, d: np.ndarray, with_trace: b
     r = timeline.critical_rank
     step = timeline.step_time_s
     names, compute, compute_phase, comm, comm_phase = _phase_index(graph)
-    begin, end, took = timeline.start[compute, r], timeline.finish[compute, r], d[compute, r]
+    begin, end = timeline.start[compute, r], timeline.finish[compute, r]
+    nominal = d[compute, r]
+    took = end - begin  # as run: longer than nominal where a transfer ran beside it
     comm_end = timeline.finish[comm, r]
     by_end = np.argsort(comm_end, kind="stable")  # transfers in the order they end
     ends, ended_phase = comm_end[by_end], comm_phase[by_end]
@@ -106,7 +122,8 @@ def summarize(graph: StepGraph, timeline: Timeline, d: np.ndarray, with_trace: b
     for code in dict.fromkeys(codes.tolist()):  # in the order phases were first charged, each
         phases[names[code]] = sum(amounts[codes == code].tolist())  # summed in time order
     trace = _trace(graph, timeline) if with_trace else []
-    return Summary(step, max(0.0, step - sum(took.tolist())), phases, trace)
+    busy = sum(took.tolist())
+    return Summary(step, max(0.0, step - busy), max(0.0, busy - sum(nominal.tolist())), phases, trace)
 
 
 def _phase_index(graph: StepGraph) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

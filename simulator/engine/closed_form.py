@@ -16,5 +16,5 @@ from csbp.simulator.engine import Timeline, program
 from csbp.simulator.graph import StepGraph
 
 
-def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
-    return Timeline(*program.run(graph, d, overlap, queue_comm=False))
+def run(graph: StepGraph, d: np.ndarray, overlap: bool = True, stretch: np.ndarray | None = None) -> Timeline:
+    return Timeline(*program.run(graph, d, overlap, queue_comm=False, stretch=stretch))

@@ -21,8 +21,8 @@ from csbp.simulator.engine import Timeline, program
 from csbp.simulator.graph import Comm, StepGraph
 
 
-def run(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:
-    return Timeline(*program.run(graph, d, overlap, queue_comm=True))
+def run(graph: StepGraph, d: np.ndarray, overlap: bool = True, stretch: np.ndarray | None = None) -> Timeline:
+    return Timeline(*program.run(graph, d, overlap, queue_comm=True, stretch=stretch))
 
 
 def run_events(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timeline:

@@ -47,8 +47,15 @@ def slowest(values: np.ndarray, sync: tuple[np.ndarray, ...]) -> np.ndarray:
     return out
 
 
-def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tuple[np.ndarray, np.ndarray]:
+def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
+        stretch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(start, finish) [op, rank] of the step.
+
+    `stretch` (per op; 1 for transfers): how much longer a compute op runs while a transfer runs
+    beside it on its rank (`HardwareProfile.overlap_slowdown`); its part inside the overlap runs
+    that much slower, the rest at full speed. A rank's transfers are taken as running from the
+    op's start until the last transfer issued before it in program order ends (one issued later
+    but running earlier is not seen) [U]. None: no interference (the reference queue's timeline).
 
     Compute runs in program order on one stream per rank; a transfer starts once its inputs are
     done, its group's last member has arrived and (p2p) its sender is there. `queue_comm`: the
@@ -62,8 +69,10 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
     maximum = np.maximum
     start: list = [None] * len(graph.ops)
     finish: list = [None] * len(graph.ops)
-    compute_free = comm_free = zero
+    compute_free = comm_free = comm_until = zero
     per_work = program(graph)
+    if stretch is not None and (not overlap or not (stretch > 1).any()):
+        stretch = None
     _, which = graph.works()
     chains = chained_ops(graph, transfers=not queue_comm) if overlap else {}
     for op, w, took in zip(graph.ops, which.tolist(), d):
@@ -94,11 +103,20 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
                 compute_free = end
             elif queue_comm:
                 comm_free = end
+            if stretch is not None:
+                comm_until = maximum(comm_until, end)
         else:
             begin = compute_free if ready is compute_free else maximum(compute_free, ready)
             chain = chains.get(i)
+            beside = stretch is not None and bool((comm_until > begin).any())
             if chain is None:
-                end = compute_free = begin + took
+                end = compute_free = _stretched(begin, took, comm_until, stretch[i]) if beside else begin + took
+            elif beside:  # op by op: each one's part beside the transfers runs slower
+                for j in chain.tolist():
+                    start[j] = begin
+                    begin = finish[j] = _stretched(begin, d[j], comm_until, stretch[j])
+                compute_free = begin
+                continue
             else:  # it and the compute ops that each wait only for the one before, back to back
                 times = np.cumsum(np.concatenate([begin[None], d[chain]]), axis=0)
                 for k, j in enumerate(chain.tolist()):
@@ -109,6 +127,16 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool) -> tup
         finish[i] = end
     shape = d.shape
     return np.array(start).reshape(shape), np.array(finish).reshape(shape)
+
+
+def _stretched(begin: np.ndarray, took: np.ndarray, until: np.ndarray, factor: float) -> np.ndarray:
+    """End of a compute op of `took` seconds from `begin` whose part before `until` runs
+    `factor` times slower (a transfer beside it), the rest at full speed."""
+    if factor <= 1:
+        return begin + took
+    window = np.maximum(until - begin, 0.0)
+    slow = took * factor
+    return np.where(slow <= window, begin + slow, begin + window + (took - window / factor))
 
 
 def chained_ops(graph: StepGraph, transfers: bool) -> dict[int, np.ndarray]:

@@ -1,0 +1,126 @@
+"""Kernel tiles of one attention call: what a block-sparse kernel really computes.
+
+FlashAttention-class kernels (FA3/FA4 block-sparse, FlexAttention with a BlockMask) cut the
+queries x keys rectangle into tiles (128 x 128 here, `graph.ATTENTION_KERNEL_TILE`): a tile no
+pair of the mask reaches is skipped, a tile whose every pair is visible is computed plainly, and a
+partial tile costs a whole tile plus the mask applied to it (implementation.md 1, 6). So a call's
+work is its tiles, not its pairs: small blocks, windows and GQA without packing waste work that
+pair counts do not see.
+
+Counting uses the mask's structure (`mask.visible_intervals`): every query sees at most two runs of
+keys whose ends never move backwards as the query moves forward. So the keys *some* query of a
+query tile sees are the runs from its first query's start to its last query's end, and the keys
+*every* query of the tile sees run from its last query's start to its first query's end; a key
+tile is touched if the first set reaches it and full if the second covers it. Per query tile this
+is a handful of prefix-sum reads, never the n^2 mask.
+
+Approximations [U]: key tiles are laid on logical positions (0..2L in steps of the tile), as they
+are for a call over the whole sequence in logical order; a call over packed shards (received
+rows, owner-major clean K/V) has its tile edges elsewhere, which moves a few tiles per shard
+between full and partial. Query tiles do not straddle the rank's spans (a kernel over a packed
+buffer would run one partial tile less per span edge).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from csbp.simulator import mask
+from csbp.simulator.spans import Span, normalize
+
+
+def tile_counts(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int, block: int,
+                window: int | None, q_rows: int, k_tile: int) -> tuple[int, int]:
+    """(full, partial) tiles of queries `queries` over the keys `keys` of one call, `q_rows`
+    query positions per tile (fewer than the tile's rows when GQA heads are packed into it)."""
+    first, last = _query_tiles(queries, seq_len, q_rows)
+    if first.size == 0 or not keys:
+        return 0, 0
+    counter = _KeyTiles(normalize(keys), 2 * seq_len, k_tile)
+    touched = full = 0
+    for (some_a, some_z), (every_a, every_z) in _tile_runs(first, last, seq_len, block, window):
+        touched += int(counter.touched(some_a, some_z).sum())
+        full += int(counter.full(every_a, every_z).sum())
+    return full, touched - full
+
+
+def _tile_runs(first: np.ndarray, last: np.ndarray, seq_len: int, block: int, window: int | None):
+    """Per run of keys (own block, clean prefix): the keys some query of each tile sees and the
+    keys every query sees, as [start, stop) per tile.
+
+    Without a window a run is never empty except the whole prefix of a block-0 or clean query,
+    which sits at an end, so the tile's first and last query decide. A window can empty a noisy
+    query's prefix in the middle of a tile, so then every query is read and reduced per tile.
+    """
+    if window is None:
+        own_f, pre_f = mask.visible_intervals(first, seq_len, block, window)
+        own_l, pre_l = mask.visible_intervals(last, seq_len, block, window)
+        return [((f[0], l[1]), (l[0], f[1])) for f, l in ((own_f, own_l), (pre_f, pre_l))]
+    sizes = last - first + 1
+    q = np.repeat(first, sizes) + (np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes))
+    at = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    out = []
+    for a, z in mask.visible_intervals(q, seq_len, block, window):
+        empty = z <= a
+        big = np.iinfo(np.int64).max
+        some_a = np.minimum.reduceat(np.where(empty, big, a), at)
+        some_z = np.maximum.reduceat(np.where(empty, -1, z), at)
+        every_a = np.maximum.reduceat(a, at)
+        every_z = np.minimum.reduceat(z, at)
+        none = some_z < 0
+        out.append(((np.where(none, 0, some_a), np.where(none, 0, some_z)), (every_a, every_z)))
+    return out
+
+
+def _query_tiles(queries: tuple[Span, ...], seq_len: int, q_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """First and last query position of every query tile (spans cut at the noisy/clean border)."""
+    starts, stops = [], []
+    for a, z in queries:
+        for lo, hi in ((a, min(z, seq_len)), (max(a, seq_len), z)):
+            if hi > lo:
+                s = np.arange(lo, hi, q_rows, dtype=np.int64)
+                starts.append(s)
+                stops.append(np.minimum(s + q_rows, hi) - 1)
+    if not starts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(starts), np.concatenate(stops)
+
+
+class _KeyTiles:
+    """Prefix sums over the key tiles of one call: how many of its keys lie below a position,
+    and how many tiles below a tile index hold any / all of their keys."""
+
+    def __init__(self, keys: tuple[Span, ...], length: int, tile: int) -> None:
+        self.tile = tile
+        self.starts = np.array([a for a, _ in keys], dtype=np.int64)
+        self.stops = np.array([z for _, z in keys], dtype=np.int64)
+        self.before = np.concatenate([[0], np.cumsum(self.stops - self.starts)])
+        n_tiles = -(-length // tile)
+        edges = np.arange(n_tiles + 1, dtype=np.int64) * tile
+        per_tile = np.diff(self.below(edges))
+        self.any = np.concatenate([[0], np.cumsum(per_tile > 0)])
+        self.all = np.concatenate([[0], np.cumsum(per_tile == np.minimum(tile, length - edges[:-1]))])
+
+    def below(self, x: np.ndarray) -> np.ndarray:
+        """Keys of the call at positions < x."""
+        i = np.searchsorted(self.starts, x, side="right")  # spans starting below x
+        inside = np.where(i > 0, np.minimum(x, self.stops[np.maximum(i - 1, 0)]) - self.starts[np.maximum(i - 1, 0)], 0)
+        return self.before[np.maximum(i - 1, 0)] * (i > 0) + np.maximum(inside, 0)
+
+    def touched(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Tiles holding at least one key of the call in [a, z), per interval."""
+        t = self.tile
+        ok = z > a
+        a, z = np.where(ok, a, 0), np.where(ok, z, 1)
+        t0, t1 = a // t, (z - 1) // t
+        one = t0 == t1
+        head = (self.below(np.minimum(z, (t0 + 1) * t)) - self.below(a)) > 0
+        tail = (self.below(z) - self.below(np.maximum(a, t1 * t))) > 0
+        inner = np.where(t1 > t0 + 1, self.any[np.maximum(t1, t0 + 1)] - self.any[t0 + 1], 0)
+        return np.where(ok, np.where(one, head, head.astype(int) + tail + inner), 0)
+
+    def full(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Tiles lying wholly inside [a, z) whose keys all belong to the call."""
+        t = self.tile
+        lo, hi = -(-a // t), z // t
+        return np.where(hi > lo, self.all[np.clip(hi, 0, None)] - self.all[np.clip(lo, 0, len(self.all) - 1)], 0)
