@@ -15,7 +15,7 @@ def one_process_graph(spec, seq_len: int, block: int):
     from csbp.simulator.workload import Workload
 
     w = Workload(seq_len=seq_len, block_size=block, dtype="fp32", zero_stage=0)
-    return StepGraph.build(spec, w, Plan(), Layout.build(w, Plan()), 1)
+    return StepGraph.build(spec, w, Plan(), Layout.build(w, Plan()), 1, implementation="csbp-runtime")
 
 
 def graph_ops(spec, seq_len: int, names: tuple[str, ...], layer: int | None) -> tuple[float, int]:
