@@ -179,6 +179,27 @@ def loss_bytes(model: ModelSpec, loss_tokens: int, vocab_block: int | None, dtyp
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                     profile: HardwareProfile) -> MemoryEstimate:
     """Every rank's peak from one walk of the step (`memory_timeline.walk`)."""
+    tl = step_timeline(model, workload, plan, layout, profile)
+    peaks, where = tl.peaks()
+    n = layout.size
+    parts: dict[str, np.ndarray] = {}
+    for m in np.unique(where):
+        ranks = np.flatnonzero(where == m)
+        for k, v in tl.parts[m].items():
+            if k not in parts:
+                parts[k] = np.zeros(n)
+            parts[k][ranks] = (v[ranks] if isinstance(v, np.ndarray) else v) / GIB
+    parts = {k: v for k, v in parts.items() if v.any()}
+    overhead = profile.gpu.allocator_overhead or 0.0
+    parts["allocator"] = peaks * overhead / GIB
+    parts["reserved"] = np.full(n, float(profile.gpu.reserved_gib))
+    return MemoryEstimate(parts, profile.gpu.memory_gib, profile.gpu.reserved_gib,
+                          allocated=peaks / GIB, moments=tuple(tl.moments[m] for m in where))
+
+
+def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
+                  profile: HardwareProfile) -> memory_timeline.Timeline:
+    """The step's live bytes moment by moment on every rank, sized from the layout."""
     dt, tp, mb = workload.dtype_bytes, plan.tp, workload.micro_batch
     obj = objective_shape(workload, model)
     rows = getattr(obj, "rows_per_example", 1)  # examples packed as rows of one batch
@@ -201,20 +222,5 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
     if obj.context_as_kv:
         held = kv_rows.held(layout, "context") * batch
         context = context_bytes(model, kinds, held, dt, tp, keep_kv=not full_ckpt)
-    tl = memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
-                              workload.zero_stage)
-    peaks, where = tl.peaks()
-    n = layout.size
-    parts: dict[str, np.ndarray] = {}
-    for m in np.unique(where):
-        ranks = np.flatnonzero(where == m)
-        for k, v in tl.parts[m].items():
-            if k not in parts:
-                parts[k] = np.zeros(n)
-            parts[k][ranks] = (v[ranks] if isinstance(v, np.ndarray) else v) / GIB
-    parts = {k: v for k, v in parts.items() if v.any()}
-    overhead = profile.gpu.allocator_overhead or 0.0
-    parts["allocator"] = peaks * overhead / GIB
-    parts["reserved"] = np.full(n, float(profile.gpu.reserved_gib))
-    return MemoryEstimate(parts, profile.gpu.memory_gib, profile.gpu.reserved_gib,
-                          allocated=peaks / GIB, moments=tuple(tl.moments[m] for m in where))
+    return memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
+                                workload.zero_stage)

@@ -126,7 +126,8 @@ class LayerMemory:
     attn_saved: dict[str, np.ndarray]
     mlp_saved: dict[str, np.ndarray]
     forward: list[tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]]  # op, saved so far, extra
-    backward: list[tuple[str, dict[str, np.ndarray]]]  # op, extra (over the whole saved layer)
+    # op, what of the layer is still saved then (None: the attention's part), extra
+    backward: list[tuple[str, dict | None, dict[str, np.ndarray]]]
     masks: np.ndarray | float = 0.0  # kept across the step (the runtime builds them once)
 
     def saved(self) -> np.ndarray:
@@ -176,13 +177,13 @@ def layer_memory(model: ModelSpec, layout: Layout, a: AttentionSpec, s: Sizes,
         attn = {"saved": 2 * hid + mixer}
         return LayerMemory(attn, {"saved": 3 * hid + f},
                            [("attn", attn, {}), ("mlp", _merge(attn, {"saved": 3 * hid + f}), {})],
-                           [("mlp", {"transient": 2 * f_one + 2 * hid}),
-                            ("attn", {"transient": mixer + 2 * hid})])
+                           [("mlp", None, {"transient": 2 * f_one}),
+                            ("attn", None, {"transient": mixer})])
     positions = T / s.batch  # queries (and local keys) per sequence
     pattern = kv_rows.pattern(layout, a, "forward")
     received = kv_rows.held_at_once(layout, a).astype(float)  # remote K/V rows per sequence
     own = kv_rows.packed_rows(layout, a).astype(float)  # rows this rank sends (its shard)
-    row = s.batch * kv_w * dt / tp  # one K or V row of every sequence
+    row = s.batch * kv_w * a.kv_tensors * dt / tp  # one K/V row (K and V) of every sequence
     heads = a.n_heads / tp
     if eager:
         return _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row,
@@ -205,38 +206,39 @@ def _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, receive
     merged = len(calls) > 1
     scores_of = {name: batch * heads * positions * keys * dt for name, keys in calls}
     kept = {"saved": 0.0, "scores": 0.0, "kv": 0.0, "masks": 0.0}
-    forward = []
+    forward, kept_after = [], []
     for name, keys in calls:
         kcopy = batch * keys * q_width * dt / s.tp  # K (and V) expanded to the query heads
         scores = scores_of[name]
         if name == "attn.remote":  # the gathered rows arrive: send buffer, gather slots, rows
-            exchange = (2 * kv_w * unit + own * 2 * row * (own > 0)
-                        + (received + own) * 2 * row + received * 2 * row)
+            exchange = (2 * kv_w * unit + own * row * (own > 0)
+                        + (received + own) * row + received * row)
             forward.append(("kv.gather", _merge(pre, kept), {"comm": exchange}))
         mask = positions * keys  # ~allowed, bool, saved by masked_fill
         during = _merge(pre, kept, {"kv": kcopy, "masks": mask})
         extra = {"scores": 3 * scores}  # masked scores, scores - max, exp: at the exp
         if name == "attn.remote":
-            extra["comm"] = received * 2 * row  # the received rows until the call returns
+            extra["comm"] = received * row  # the received rows until the call returns
         forward.append((name, during, extra))
         kept = _merge(kept, {"kv": 2 * kcopy, "masks": mask, "scores": scores,
                              "saved": qw * (2 if merged else 1)})  # e@v (and out, for the merge)
+        kept_after.append(_merge(pre, kept))
     attn = _merge(pre, kept, {"saved": qw})  # the attention output, copied for the out GEMM
     if merged:
         forward.append(("attn.merge", _merge(pre, kept), {"transient": 3 * qw}))
     # x + attn (the MLP's residual input), ffn_norm's two, gate, silu, up, product
     mlp = {"saved": 3 * hid + f}
     forward.append(("mlp", _merge(attn, mlp), {"transient": 2 * hid}))
-    biggest = 0.0
-    for name, _ in calls:  # the larger call decides each rank's peak: e is saved; the
-        biggest = np.maximum(biggest, scores_of[name])  # gradient of e and of its sum add two
-    grads_in = 2 * hid  # dx of the residual and of the branch
-    backward = [("mlp", {"transient": 2 * f_one + grads_in}),
-                ("attn.local" if not merged else "attn.remote",
-                 {"scores": 2 * biggest, "transient": grads_in + 2 * qw})]
-    if merged:  # dK/dV of the received rows go home: rows, the full buffer with own zeros, out
-        backward.append(("dkv.scatter", {"dkv": received * 2 * row + (received + own) * 2 * row
-                                         + own * 2 * row, "transient": grads_in}))
+    # backward: the MLP (gradients of two intermediates at once), then the calls in reverse;
+    # at a call's backward its own exp-scores are saved and the gradient of e and the sum of
+    # its two uses are two more score matrices; a later call's buffers are gone by then
+    backward = [("mlp", None, {"transient": 2 * f_one})]
+    for c in reversed(range(len(calls))):
+        name = calls[c][0]
+        backward.append((name, kept_after[c], {"scores": 2 * scores_of[name], "transient": 2 * qw}))
+        if name == "attn.remote":  # dK/dV of the received rows go home: the rows, the full
+            backward.append(("dkv.scatter", kept_after[c - 1],  # buffer with own zeros, out
+                             {"dkv": received * row + (received + own) * row + own * row}))
     masks = positions * (positions + (received if merged else 0))  # each route's, built once
     return LayerMemory(attn, mlp, forward, backward, masks)
 
@@ -252,15 +254,15 @@ def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions,
     pre = {"saved": 2 * hid + 2 * qw + gate * unit + 2 * kv_w * unit + lse}
     forward, kept = [], {"kv": 0.0}
     if pattern == "all-gather":
-        gathered = (received + own) * 2 * row  # the whole exchange's K and V (CP: 2L, CSBP: L)
+        gathered = (received + own) * row  # the whole exchange's K and V (CP: 2L, CSBP: L)
         reorder = layout.plan.bp == 1  # CP copies them into logical order, keeps the copies
         forward.append(("kv.gather", pre, {"comm": gathered * (2 if reorder else 1)}))
         kept = {"kv": gathered}
     elif pattern == "all-to-all":
-        kept = {"kv": received * 2 * row}
+        kept = {"kv": received * row}
         forward.append(("kv.gather", pre, {"comm": 2 * kept["kv"]}))
     elif pattern == "ring":  # two ring buffers in flight; nothing kept (streamed again)
-        forward.append(("kv.ring1", pre, {"comm": 2 * received * 2 * row}))
+        forward.append(("kv.ring1", pre, {"comm": 2 * received * row}))
     split = pattern != "none" or layout.kind == "bp"
     # a split attention merges partial outputs by LSE with an fp32 numerator
     forward.append(("attn.local" if split else "attn", _merge(pre, kept),
@@ -269,17 +271,14 @@ def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions,
     mlp = {"saved": 2 * hid + f}  # the residual's norm input and output, SwiGLU's three
     forward.append(("mlp", _merge(attn, mlp), {"transient": 2 * hid}))
     keys = positions + received if pattern != "ring" else positions + 2 * received
-    dkv = batch * keys * 2 * kv_w * s.dt / s.tp  # dK, dV of every key the layer read
-    grads_in = 2 * hid
-    backward = [("mlp", {"transient": 2 * f_one + grads_in}),
-                ("attn.local" if split else "attn",
-                 {"transient": acc + qw + grads_in, "dkv": dkv})]
+    dkv = batch * keys * kv_w * a.kv_tensors * s.dt / s.tp  # dK, dV of every key it read
+    backward = [("mlp", None, {"transient": 2 * f_one}),
+                ("attn.local" if split else "attn", None, {"transient": acc + qw, "dkv": dkv})]
     if pattern in ("all-gather", "all-to-all"):
         # CP: concatenation, index_select and a copy into the send buffer (section 1); CSBP
         # writes straight into the reduce-scatter buffer (section 2)
         copies = 2 if layout.plan.bp == 1 else 1
-        backward.append(("dkv.scatter", {"dkv": dkv + copies * (received + own) * 2 * row,
-                                         "transient": grads_in}))
+        backward.append(("dkv.scatter", None, {"dkv": dkv + copies * (received + own) * row}))
     return LayerMemory(attn, mlp, forward, backward)
 
 
@@ -414,11 +413,11 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
             for op, during, extra in mem.forward:
                 tl.at(Moment("recompute", op, i), **_merge(base, rename(during, "layer"), extra))
         whole = rename(_merge(mem.attn_saved, mem.mlp_saved), layer_name)
-        mlp_op, mlp_extra = mem.backward[0]
+        mlp_op, _, mlp_extra = mem.backward[0]
         tl.at(Moment("backward", mlp_op, i), **_merge(base, whole, mlp_extra))
-        attn_only = rename(mem.attn_saved, layer_name)
-        for op, extra in mem.backward[1:]:
-            tl.at(Moment("backward", op, i), **_merge(base, attn_only, extra))
+        for op, still, extra in mem.backward[1:]:
+            still = rename(mem.attn_saved if still is None else still, layer_name)
+            tl.at(Moment("backward", op, i), **_merge(base, still, extra))
     all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
     if zero >= 2:
         all_grads = weights.grads
