@@ -88,6 +88,8 @@ def describe(p: Plan, checkpointing: str) -> str:
     if p.bp > 1:
         parts.append(p.schedule)
     parts.append(f"ckpt={checkpointing}")
+    if p.placement == STRIPED_PLACEMENT:
+        parts.append("ctx-striped")
     return " ".join(parts)
 
 
@@ -139,14 +141,28 @@ class Space:
         return sorted(self.rejected.values(), key=lambda g: -len(g.plans))
 
 
+STRIPED_PLACEMENT = "tp,ep,dp,ctx"  # the context group across nodes, DP/EP peers inside one
+
+
+def placements(plan: Plan, gpus: int, gpus_per_node: int | None) -> tuple[str, ...]:
+    """Where the context group may sit: inside a node (the default: its K/V on NVLink, gradients
+    across nodes) or striped over the nodes with its DP/EP peers inside one (Turbo-dLLM's
+    `inter_node_cp`: K/V across nodes, gradients and expert all-to-all on NVLink). Only a job
+    over several nodes with both a context group and DP/EP peers has the choice."""
+    if gpus_per_node is None or gpus <= gpus_per_node or plan.ctx == 1 or plan.dp * plan.ep == 1:
+        return (plan.placement,)
+    return (plan.placement, STRIPED_PLACEMENT)
+
+
 def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
                     checkpointing: tuple[str, ...] = get_args(Checkpointing),
-                    axes: tuple[str, ...] = AXES) -> Space:
+                    axes: tuple[str, ...] = AXES, gpus_per_node: int | None = None) -> Space:
     """Every (dp, tp, ep, cp, bp) with dp*tp*ep*max(cp, bp) == gpus, times the choices that matter.
 
     Transport only changes plans that exchange clean K/V (cp > 1); the block schedule only changes
     plans that own noisy blocks (bp > 1); elsewhere the default stands in, so no two candidates
-    are the same computation. Axes left out of `axes` stay at degree 1.
+    are the same computation. Axes left out of `axes` stay at degree 1. With `gpus_per_node`
+    the context group's placement is searched too (`placements`).
     """
     space = Space([], {})
     divisors = _divisors(gpus)
@@ -167,9 +183,10 @@ def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
             continue
         transports = get_args(Transport) if plan.cp > 1 else (plan.transport,)
         schedules = get_args(Schedule) if plan.bp > 1 else (plan.schedule,)
-        for transport, schedule, ckpt in product(transports, schedules, checkpointing):
+        for transport, schedule, ckpt, where in product(transports, schedules, checkpointing,
+                                                        placements(plan, gpus, gpus_per_node)):
             space.candidates.append(Candidate(
-                plan.model_copy(update={"transport": transport, "schedule": schedule}),
+                plan.model_copy(update={"transport": transport, "schedule": schedule, "placement": where}),
                 workload.model_copy(update={"checkpointing": ckpt})))
     return space
 
@@ -296,7 +313,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
-    space = enumerate_space(model, workload, gpus, checkpointing, axes)
+    space = enumerate_space(model, workload, gpus, checkpointing, axes, profile.node.gpus_per_node)
     with Workers(workers) as pool:
         found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool)
     found.seconds = time.perf_counter() - start

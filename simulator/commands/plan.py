@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -14,8 +14,9 @@ from csbp.simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NO
                                 add_cluster_args, add_from_arg, add_workload_args, imported_inputs,
                                 inputs_from_args, profile_from_args)
 from csbp.simulator.errors import InputError
-from csbp.simulator.plan import AXES
-from csbp.simulator.planner import Search, cluster_gpus, fmt_tokens, label_of, plan_of, search
+from csbp.simulator.plan import AXES, DEFAULT_PLACEMENT
+from csbp.simulator.planner import (STRIPED_PLACEMENT, Search, cluster_gpus, fmt_tokens, label_of, placements,
+                                    plan_of, search)
 from csbp.simulator.report import fmt_time, print_json
 from csbp.simulator.presets import PRESET_NAMES, load_model
 from csbp.simulator.result import Result
@@ -110,6 +111,8 @@ class Planned:
     emitted: dict[str, str]
     what_if: WhatIf | None = None  # the --what-if changes the search ran on
     sensitivity: Sensitivity | None = None  # --sensitivity
+    # the recommendation's speedup over the best plan without BP under ideal and turbo-dllm
+    by_implementation: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def recommended(self) -> Result:
@@ -127,7 +130,9 @@ class Planned:
         return _json(self.found, self.args, self.command) | {
             "your_run": _your_run_json(self.your_run, self.found.recommended),
             "emitted": self.emitted, "what_if": self.what_if.to_json() if self.what_if else [],
-            "sensitivity": self.sensitivity.to_json() if self.sensitivity else None}
+            "sensitivity": self.sensitivity.to_json() if self.sensitivity else None,
+            "implementation": self.found.profile.implementation,
+            "speedup_by_implementation": self.by_implementation}
 
 
 def answer(args: argparse.Namespace, announce=None) -> Planned:
@@ -169,7 +174,10 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
 
         sens = sensitivity(found, axes=searched["axes"], checkpointing=searched.get("checkpointing"),
                            workers=args.jobs)
-    return Planned(found, args, your_run, command, emitted, what_if, sens)
+    from csbp.simulator.method_vs_implementation import speedup_by_implementation
+
+    return Planned(found, args, your_run, command, emitted, what_if, sens,
+                   speedup_by_implementation(found, **searched))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,6 +190,10 @@ def run(args: argparse.Namespace) -> int:
         print_json(planned.to_json())
     else:
         _print(found, args, planned.command)
+        from csbp.simulator.method_vs_implementation import reading
+
+        console().print(f"\n{reading(planned.by_implementation)} ({found.profile.implementation} "
+                        "priced the ranking; --implementation NAME|FILE to change it)", highlight=False)
         if planned.your_run:
             _print_your_run(planned.your_run, found, args.from_run)
         for fmt, text in planned.emitted.items():
@@ -289,10 +301,31 @@ def _why(found) -> list[str]:
                        f"{fmt_time(base.exposed_comm_s)}")
     if rec.peak_memory_gib < base.peak_memory_gib:
         reasons.append(f"{base.peak_memory_gib - rec.peak_memory_gib:.1f} GiB less peak memory")
+    reasons.append(_placement_reason(found))
     gpu = found.profile.gpu
     reasons.append(f"peak memory {_gib(rec.peak_memory_gib)} of {gpu.memory_gib:.0f} GiB "
                    f"({gpu.reserved_gib:.0f} GiB reserved included)")
     return reasons
+
+
+def _placement_reason(found) -> str:
+    """Which placement the recommendation uses and what the other one would give it."""
+    rec = found.recommended
+    plan = plan_of(rec)
+    options = placements(plan.model_copy(update={"placement": DEFAULT_PLACEMENT}), rec.gpus,
+                         found.profile.node.gpus_per_node)
+    inside = plan.placement != STRIPED_PLACEMENT
+    where = "context group inside a node" if inside else "context group striped across nodes"
+    if len(options) == 1:
+        return f"{where} (placement {plan.placement})"
+    other = plan.model_copy(update={"placement": STRIPED_PLACEMENT if inside else DEFAULT_PLACEMENT})
+    alt = simulate(found.model, Workload(**rec.workload), other, found.profile, found.nodes,
+                   engine=found.engine, with_trace=False)
+    if not alt.tokens_per_s:
+        return f"{where} (placement {plan.placement}; the other placement does not fit)"
+    kv = "K/V on NVLink, gradients across nodes" if inside else "gradients and EP on NVLink, K/V across nodes"
+    return (f"{where} (placement {plan.placement}: {kv}), {rec.tokens_per_s / alt.tokens_per_s:.3f}x "
+            f"the tokens/s of the {'striped' if inside else 'inside-a-node'} placement")
 
 
 def _print(found, args: argparse.Namespace, command: str | None) -> None:
@@ -331,7 +364,8 @@ def _ranking(found, top: int) -> Table:
         table.add_column(col, justify="left" if text else "right", no_wrap=col == "plan")
     for i, r in enumerate(found.ranked[:top], 1):
         plan = plan_of(r)
-        table.add_row(str(i), plan.label() + (" (baseline)" if r is base else ""),
+        striped = " ctx-striped" if plan.placement == STRIPED_PLACEMENT else ""
+        table.add_row(str(i), plan.label() + striped + (" (baseline)" if r is base else ""),
                       plan.transport if plan.cp > 1 else "-", plan.schedule if plan.bp > 1 else "-",
                       r.workload["checkpointing"], f"{r.tokens_per_s:,.0f}",
                       f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-",
