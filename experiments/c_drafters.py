@@ -33,7 +33,8 @@ UNVERIFIED = (
 )
 COLUMNS = [("model", "drafter"), ("context", "context"), ("dp_tokens_s", "best DP tok/s"),
            ("cp_tokens_s", "best CP tok/s"), ("bp_tokens_s", "best BP tok/s"),
-           ("csbp_tokens_s", "best CSBP tok/s"), ("best_plan", "best plan"), ("speedup", "speedup"),
+           ("csbp_tokens_s", "best CSBP tok/s"), ("best_plan", "best plan"), ("speedup", "speedup (turbo-dllm)"),
+           ("speedup_ideal", "speedup (ideal)"),
            ("best_peak_gib", "peak GiB"), ("note", "why")]
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from csbp.simulator.errors import InputError
 from csbp.simulator.hardware import HardwareProfile, load_profile
+from csbp.simulator.method_vs_implementation import speedup_by_implementation
 from csbp.simulator.planner import Search, describe, family, fmt_tokens, plan_of, search
 from csbp.simulator.result import Result
 from csbp.simulator.spec import ModelSpec
@@ -80,6 +81,10 @@ class Runner:
         row |= _result_fields("best", best)
         row |= _result_fields("baseline", base) if base else {"baseline_plan": "none fits"}
         row["speedup"] = found.speedup
+        # the same speedup under `ideal`: how much of it is the method's (implementation.py)
+        by_impl = speedup_by_implementation(found, checkpointing=checkpointing, workers=self.workers)
+        row["speedup_ideal"] = by_impl.get("ideal")
+        row["implementation"] = profile.implementation
         families = found.best_per_family()
         for fam in FAMILIES:
             r = families.get(fam)
