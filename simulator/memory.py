@@ -12,7 +12,7 @@ its replicated clean prefix.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -48,17 +48,40 @@ def loss_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
 class MemoryEstimate:
     """Every rank's peak from the step's live-tensor timeline (`memory_timeline`).
 
-    `parts`: GiB per rank by category at that rank's own peak moment, plus what the allocator
-    adds over the live bytes (fragmentation, the profile's `gpu.allocator_overhead`) and the
-    reserved memory (context, communicator buffers). `allocated_gib` is the live-tensor peak
-    alone: what `torch.cuda.max_memory_allocated` (or the CPU runtime's tracker) measures.
+    `allocated`: the live-tensor peak per rank (GiB), what `torch.cuda.max_memory_allocated`
+    (or the CPU runtime's tracker) measures. A rank needs that plus what the allocator adds over
+    live bytes (the profile's `gpu.allocator_overhead`) plus the reserved memory (context,
+    communicator buffers). `parts` breaks each rank's need down by category at the moment of
+    its peak; it is built only when asked (a search reads the totals of thousands of plans).
     """
 
-    parts: dict[str, np.ndarray]  # GiB per rank by category, allocator and reserved included
+    allocated: np.ndarray  # GiB per rank: the live-tensor peak
     capacity_gib: float
     reserved_gib: float
-    allocated: np.ndarray = None  # GiB per rank: the live-tensor peak
-    moments: tuple = ()  # per rank: the memory_timeline.Moment of its peak
+    overhead: float  # allocator bytes per live byte at the peak
+    timeline: memory_timeline.Timeline = field(repr=False)
+    where: np.ndarray = field(repr=False)  # per rank: index of its peak moment
+
+    @cached_property
+    def moments(self) -> tuple:
+        """Per rank: the memory_timeline.Moment of its peak."""
+        return tuple(self.timeline.moments[m] for m in self.where.tolist())
+
+    @cached_property
+    def parts(self) -> dict[str, np.ndarray]:
+        """GiB per rank by category at each rank's peak, allocator and reserved included."""
+        n = len(self.allocated)
+        parts: dict[str, np.ndarray] = {}
+        for m in set(self.where.tolist()):
+            ranks = self.where == m
+            for k, v in memory_timeline._merge(*self.timeline.groups[m]).items():
+                if k not in parts:
+                    parts[k] = np.zeros(n)
+                parts[k][ranks] = (v[ranks] if isinstance(v, np.ndarray) else v) / GIB
+        parts = {k: v for k, v in parts.items() if v.any()}
+        parts["allocator"] = self.allocated * self.overhead
+        parts["reserved"] = np.full(n, float(self.reserved_gib))
+        return parts
 
     @cached_property
     def per_rank(self) -> tuple[dict[str, float], ...]:
@@ -66,14 +89,14 @@ class MemoryEstimate:
         return tuple(self.rank(r) for r in range(len(self.totals_gib)))
 
     def rank(self, r: int) -> dict[str, float]:
-        return {k: float(v[r]) for k, v in self.parts.items()}
+        """GiB by category at rank r's peak, allocator and reserved included."""
+        out = {k: v / GIB for k, v in self.timeline.breakdown(int(self.where[r]), r).items()}
+        return out | {"allocator": float(self.allocated[r] * self.overhead),
+                      "reserved": float(self.reserved_gib)}
 
     @cached_property
     def totals_gib(self) -> list[float]:
-        total = 0  # each rank's components added in order, as summing its dict would
-        for part in self.parts.values():
-            total = total + part
-        return np.asarray(total, dtype=float).tolist()
+        return (self.allocated * (1 + self.overhead) + float(self.reserved_gib)).tolist()
 
     @property
     def peak_rank(self) -> int:
@@ -97,9 +120,8 @@ class MemoryEstimate:
     def peak_at(self) -> dict:
         """Where the peak rank peaks: rank, phase, op and layer (None outside the layers)."""
         r = self.peak_rank
-        m = self.moments[r] if self.moments else None
-        return {"rank": r, "phase": m.phase if m else None, "op": m.op if m else None,
-                "layer": m.layer if m else None}
+        m = self.moments[r]
+        return {"rank": r, "phase": m.phase, "op": m.op, "layer": m.layer}
 
     @property
     def breakdown(self) -> dict[str, float]:
@@ -123,7 +145,7 @@ class MemoryEstimate:
         shown = ", ".join(f"{LABELS.get(k, k)} {v:.1f}"
                           for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.05)
         usable = self.capacity_gib - self.reserved_gib
-        where = f" at {self.moments[r].describe()}" if self.moments else ""
+        where = f" at {self.moments[r].describe()}"
         return (f"infeasible: needs {need:.1f} GiB on rank {r}{where} ({shown}) > {usable:.1f} GiB "
                 f"usable ({self.capacity_gib:.1f} GiB HBM - {self.reserved_gib:.1f} reserved)")
 
@@ -181,20 +203,8 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
     """Every rank's peak from one walk of the step (`memory_timeline.walk`)."""
     tl = step_timeline(model, workload, plan, layout, profile)
     peaks, where = tl.peaks()
-    n = layout.size
-    parts: dict[str, np.ndarray] = {}
-    for m in np.unique(where):
-        ranks = np.flatnonzero(where == m)
-        for k, v in tl.parts[m].items():
-            if k not in parts:
-                parts[k] = np.zeros(n)
-            parts[k][ranks] = (v[ranks] if isinstance(v, np.ndarray) else v) / GIB
-    parts = {k: v for k, v in parts.items() if v.any()}
-    overhead = profile.gpu.allocator_overhead or 0.0
-    parts["allocator"] = peaks * overhead / GIB
-    parts["reserved"] = np.full(n, float(profile.gpu.reserved_gib))
-    return MemoryEstimate(parts, profile.gpu.memory_gib, profile.gpu.reserved_gib,
-                          allocated=peaks / GIB, moments=tuple(tl.moments[m] for m in where))
+    return MemoryEstimate(peaks / GIB, profile.gpu.memory_gib, profile.gpu.reserved_gib,
+                          profile.gpu.allocator_overhead or 0.0, tl, where)
 
 
 def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,

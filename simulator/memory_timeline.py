@@ -68,23 +68,49 @@ class Moment:
 @dataclass
 class Timeline:
     """Moments in program order and, for each, the live bytes by category (array over ranks or
-    a number, the same on every rank)."""
+    a number, the same on every rank), given as a few shared groups of categories (the weights,
+    what the layers below keep, the layer's own buffers): their sums are found once per group."""
 
     n_ranks: int
     moments: list[Moment] = field(default_factory=list)
-    parts: list[dict[str, np.ndarray | float]] = field(default_factory=list)
+    groups: list[tuple[dict, ...]] = field(default_factory=list)
 
-    def at(self, moment: Moment, **live: np.ndarray | float) -> None:
+    def at(self, moment: Moment, *groups: dict) -> None:
         self.moments.append(moment)
-        self.parts.append(live)
+        self.groups.append(groups)
+
+    @property
+    def parts(self) -> list[dict[str, np.ndarray | float]]:
+        """Each moment's bytes by category, its groups merged."""
+        return [_merge(*g) for g in self.groups]
 
     def totals(self) -> np.ndarray:
-        """[moments, ranks] live bytes."""
-        out = np.zeros((len(self.moments), self.n_ranks))
-        for i, parts in enumerate(self.parts):
-            for v in parts.values():
-                out[i] += v
-        return out
+        """[moments, ranks] live bytes: each distinct group summed once, then one product of
+        the moments' group incidence with the groups' sums."""
+        index: dict[int, int] = {}
+        sums: list[np.ndarray | float] = []
+        incidence = np.zeros((len(self.moments), 0))
+        rows: list[list[int]] = []
+        for groups in self.groups:
+            row = []
+            for g in groups:
+                k = index.get(id(g))
+                if k is None:
+                    k = index[id(g)] = len(sums)
+                    total = 0.0
+                    for v in g.values():
+                        total = total + v
+                    sums.append(total)
+                row.append(k)
+            rows.append(row)
+        incidence = np.zeros((len(rows), len(sums)))
+        for i, row in enumerate(rows):
+            for k in row:
+                incidence[i, k] += 1.0
+        matrix = np.empty((len(sums), self.n_ranks))
+        for k, v in enumerate(sums):
+            matrix[k] = v
+        return incidence @ matrix
 
     def peaks(self) -> tuple[np.ndarray, np.ndarray]:
         """Per rank: the peak live bytes and the index of the moment where it is reached."""
@@ -95,7 +121,7 @@ class Timeline:
     def breakdown(self, moment: int, rank: int) -> dict[str, float]:
         """Bytes by category at one moment on one rank (categories summed, zeros dropped)."""
         out: dict[str, float] = {}
-        for k, v in self.parts[moment].items():
+        for k, v in _merge(*self.groups[moment]).items():
             b = float(v[rank]) if isinstance(v, np.ndarray) else float(v)
             if b:
                 out[k] = out.get(k, 0.0) + b
@@ -307,11 +333,28 @@ class WeightState:
     replicas: int  # ranks summing the same gradients (1: no gradient sync)
 
 
+_WEIGHTS: dict[tuple, tuple[ModelSpec, WeightState]] = {}
+
+
 def weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
                  frozen_router: bool = False) -> WeightState:
     """Parameters, master copy, gradients and AdamW state per rank, sharded by ZeRO stage:
     stage 1 shards optimizer state and master, 2 also gradients, 3 also parameters (gathered a
-    layer at a time, the next one prefetched)."""
+    layer at a time, the next one prefetched). Kept per model and degrees (a search asks the
+    same few many times)."""
+    key = (id(model), zero, dt, plan.dp, plan.ctx, plan.tp, plan.ep, frozen_embeddings,
+           frozen_router)
+    hit = _WEIGHTS.get(key)
+    if hit is None or hit[0] is not model:
+        if len(_WEIGHTS) > 4096:
+            _WEIGHTS.clear()
+        hit = _WEIGHTS[key] = (model, _weight_state(model, zero, dt, plan, frozen_embeddings,
+                                                    frozen_router))
+    return hit[1]
+
+
+def _weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
+                  frozen_router: bool) -> WeightState:
     h = model.hidden
     n_dense = plan.dp * plan.ctx * plan.ep  # ranks holding the same dense shard
     n_expert = plan.dp * plan.ctx * plan.tp
@@ -320,7 +363,7 @@ def weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: 
     expert_layer = model.expert_params_per_layer() / plan.ep
     router = h * model.moe.n_experts / plan.ep if (model.moe and frozen_router) else 0.0
     layer = {a: (model.mixer_params(a) + model.dense_ffn_params() + 2 * h) / plan.tp + expert_layer
-             - router for a in model.attention_kinds()}
+             - router for a in _layer_structure(model).kinds}
     dense = model.dense_params() / plan.tp - frozen
     expert = model.n_layers * expert_layer
     trainable_full = dense + expert - model.n_layers * router
@@ -334,7 +377,7 @@ def weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: 
     head = 0.0 if frozen_embeddings else (model.vocab * h / plan.tp + h)
     emb = 0.0 if (frozen_embeddings or tied) else model.vocab * h / plan.tp
     g = dt if zero < 2 else dt * shard
-    widths = [model.vocab, model.ffn, *(a.n_heads * a.head_dim for a in model.layers)]
+    widths = [model.vocab, model.ffn, *(a.n_heads * a.head_dim for a in layer)]
     if model.moe:
         widths.append(model.moe.expert_ffn)
     return WeightState(
@@ -347,27 +390,62 @@ def weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: 
 
 # ---- the walk -------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _Structure:
+    """Where each layer kind sits in the stack: found once per model (a search asks thousands
+    of times, and comparing layer specs is slow)."""
+
+    n: int
+    kinds: tuple[AttentionSpec, ...]
+    first: dict
+    last: dict
+    count: dict
+    before_count: dict  # kind -> layers of that kind before index i, i = 0..n
+
+
+_STRUCTURES: dict[int, tuple[ModelSpec, _Structure]] = {}
+
+
+def _layer_structure(model: ModelSpec) -> _Structure:
+    hit = _STRUCTURES.get(id(model))
+    if hit is None or hit[0] is not model:
+        if len(_STRUCTURES) > 64:
+            _STRUCTURES.clear()
+        layers = model.layers
+        kinds = tuple(dict.fromkeys(layers))
+        index = [kinds.index(a) for a in layers]
+        n = len(layers)
+        st = _Structure(
+            n=n, kinds=kinds,
+            first={a: index.index(k) for k, a in enumerate(kinds)},
+            last={a: n - 1 - index[::-1].index(k) for k, a in enumerate(kinds)},
+            count={a: index.count(k) for k, a in enumerate(kinds)},
+            before_count={a: np.cumsum([0] + [int(j == k) for j in index])
+                          for k, a in enumerate(kinds)})
+        hit = _STRUCTURES[id(model)] = (model, st)
+    return hit[1]
+
+
 def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, eager: bool,
          checkpointing: bool, loss: np.ndarray | float, context: np.ndarray | float = 0.0,
          zero: int = 0) -> Timeline:
     """The step in program order (module docstring); returns every moment with its bytes."""
-    tl = Timeline(layout.size)
-    layers = model.layers
-    kinds = {a: layer_memory(model, layout, a, sizes, eager) for a in dict.fromkeys(layers)}
+    tl = Timeline(len(sizes.tokens))
+    shape = _layer_structure(model)
+    layers, n = model.layers, shape.n
+    kinds = {a: layer_memory(model, layout, a, sizes, eager) for a in shape.kinds}
     hid = sizes.hidden
     fixed = {"params": weights.params, "master": weights.master, "optimizer": weights.optimizer,
              "context": context}
     if eager:
         fixed["masks"] = _sum({i: m.masks for i, m in enumerate(kinds.values())})
-    n = len(layers)
-    first = {a: layers.index(a) for a in kinds}
-    last = {a: n - 1 - layers[::-1].index(a) for a in kinds}
+    first, last = shape.first, shape.last
     stored_name = "checkpointed" if checkpointing else "saved"
     layer_name = "layer" if checkpointing else "saved"
 
     # prefix sums over layers: what the layers before i keep, gradients of the layers after i
-    before_count = {a: np.cumsum([0] + [int(b == a) for b in layers]) for a in kinds}
-    grads_total_layers = sum(weights.layer_grads[a] * layers.count(a) for a in kinds)
+    before_count = shape.before_count
+    grads_total_layers = sum(weights.layer_grads[a] * shape.count[a] for a in kinds)
 
     def stored_before(i: int) -> dict:
         if checkpointing:
@@ -388,48 +466,49 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
         return {(saved_as if k == "saved" else k): v for k, v in d.items()}
 
     # forward: the last layer of each kind holds the most (everything below it is stored)
+    own_input = {stored_name: hid}
     for a in sorted(kinds, key=lambda a: last[a]):
         i, mem = last[a], kinds[a]
-        base = _merge(fixed, stored_before(i), {stored_name: hid})  # i's input
+        below = stored_before(i)
         for op, during, extra in mem.forward:
             # checkpointed forward keeps nothing once an op's output is consumed, but the
             # tensors an op reads and writes are the ones it would save
-            tl.at(Moment("forward", op, i), **_merge(base, rename(during, "transient"), extra))
+            tl.at(Moment("forward", op, i), fixed, below, own_input, rename(during, "transient"),
+                  extra)
     # loss: every layer's stored part, the final hidden state and norm, the loss buffers
-    top = _merge(fixed, stored_before(n), {stored_name: hid, "transient": 2 * hid, "loss": loss})
-    tl.at(Moment("loss", "cross-entropy"), **top)
+    tl.at(Moment("loss", "cross-entropy"), fixed, stored_before(n),
+          {stored_name: hid, "transient": 2 * hid, "loss": loss})
     # backward, last layer first; each kind at its last layer (most stored below) and its first
     # (most gradients above)
     visits = sorted({(last[a], a) for a in kinds} | {(first[a], a) for a in kinds},
                     key=lambda x: -x[0])
+    recomputed = {a: [(op, rename(during, "layer"), extra) for op, during, extra in m.forward]
+                  for a, m in kinds.items()} if checkpointing else {}
     for i, a in visits:
         mem = kinds[a]
-        grads = grads_after(i)
-        base = _merge(fixed, stored_before(i), {stored_name: hid, "grads": grads,
-                                                "transient": hid, "dkv": 0.0})
-        if zero >= 2:
-            base["grads"] = grads + weights.bucket
-        if checkpointing:
-            for op, during, extra in mem.forward:
-                tl.at(Moment("recompute", op, i), **_merge(base, rename(during, "layer"), extra))
+        grads = grads_after(i) + (weights.bucket if zero >= 2 else 0.0)
+        below = stored_before(i)
+        here = {stored_name: hid, "grads": grads, "transient": hid}
+        for op, during, extra in recomputed.get(a, ()):
+            tl.at(Moment("recompute", op, i), fixed, below, here, during, extra)
         whole = rename(_merge(mem.attn_saved, mem.mlp_saved), layer_name)
         mlp_op, _, mlp_extra = mem.backward[0]
-        tl.at(Moment("backward", mlp_op, i), **_merge(base, whole, mlp_extra))
+        tl.at(Moment("backward", mlp_op, i), fixed, below, here, whole, mlp_extra)
+        attn = rename(mem.attn_saved, layer_name)
         for op, still, extra in mem.backward[1:]:
-            still = rename(mem.attn_saved if still is None else still, layer_name)
-            tl.at(Moment("backward", op, i), **_merge(base, still, extra))
+            tl.at(Moment("backward", op, i), fixed, below, here,
+                  attn if still is None else rename(still, layer_name), extra)
     all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
     if zero >= 2:
         all_grads = weights.grads
-    tl.at(Moment("backward", "embed-bwd", 0), **_merge(fixed, {"grads": all_grads, "transient": hid}))
+    tl.at(Moment("backward", "embed-bwd", 0), fixed, {"grads": all_grads, "transient": hid})
     if weights.replicas > 1 and zero < 2:
         # the gradients flattened into one buffer (runtime/plans/dp.py) or DDP's buckets
-        tl.at(Moment("grad-sync", "grads.all-reduce"), **_merge(fixed, {"grads": all_grads,
-                                                                     "comm": all_grads}))
+        tl.at(Moment("grad-sync", "grads.all-reduce"), fixed, {"grads": all_grads, "comm": all_grads})
     # AdamW: per tensor (CPU: foreach off) sqrt and division temporaries of the largest tensor;
     # foreach (CUDA) one fp32 temporary list of every updated parameter
     temp = 2 * weights.largest_tensor if eager else weights.trainable * 4
-    tl.at(Moment("optimizer", "adamw"), **_merge(fixed, {"grads": all_grads, "transient": temp}))
+    tl.at(Moment("optimizer", "adamw"), fixed, {"grads": all_grads, "transient": temp})
     return tl
 
 
