@@ -453,7 +453,8 @@ def predict(job, ctx: int, profile) -> Prediction:
 
     w = runtime_workload(job)
     layout = Layout.build(w, job.plan)
-    graph = StepGraph.build(job.model, w, job.plan, layout, profile.node.gpus_per_node)
+    graph = StepGraph.build(job.model, w, job.plan, layout, profile.node.gpus_per_node,
+                            implementation="csbp-runtime")  # what this runtime executes
     ops: dict[Key, float] = {}
     names: dict[Key, list[str]] = {}
     collectives: dict[tuple[str, str, str], dict] = {}
