@@ -134,12 +134,13 @@ def test_zero2_equals_the_replicated_optimizer():
 def test_counted_bytes_equal_the_step_graph_at_the_zero_stage(world, case):
     job = case.job()
     w = job.workload
-    graph = StepGraph.build(case.model, w, job.plan, Layout.build(w, job.plan), job.plan.world)
+    graph = StepGraph.build(case.model, w, job.plan, Layout.build(w, job.plan), job.plan.world,
+                            implementation="csbp-runtime")
     received = graph.received_bytes()
     reports = run_world(world)[case.name]
     for r in reports:
-        for c in CATEGORIES:  # attention-kv: held to the layout by test_runtime_plans
-            if c == "attention-kv" or (c == "ep" and not case.balanced):
+        for c in CATEGORIES:
+            if c == "ep" and not case.balanced:
                 continue
             want = round(float(received[c][r.ctx_rank])) if c in received else 0
             assert r.bytes_received[c] == r.bytes_predicted[c] == want, (r.rank, c)
