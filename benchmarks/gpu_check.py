@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     timed("memory", lambda: {"points": len(_extend(points, kb.memory_points(s.shapes, device)))})
     timed("attention", lambda: {"points": len(_extend(points, kb.attention_points(
         s.shapes, device, budget, reserve, s.flex_cap_s)))})
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the emulations' worker gets the GPU's memory
     profile_path = out_dir / f"{s.profile_name}.yaml"
 
     def profile_step() -> dict:
