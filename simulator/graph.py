@@ -53,6 +53,9 @@ GEMM_BACKWARD_FLOP_RATIO = 2.0
 ATTENTION_KERNEL_TILE = 128
 # Chunk length of the chunked (gated) delta rule in flash-linear-attention (chunk_size = 64).
 DELTA_RULE_CHUNK = 64
+# Bytes per element of a linear-attention recurrent state passed between ranks: fp32, as chunked
+# delta-rule kernels keep their state (assumed [U]; bf16 would halve the boundary-state traffic).
+LINEAR_STATE_BYTES = 4
 # Fused AdamW per parameter: reads fp32 master, m, v and a bf16 grad, writes master, m, v and the
 # bf16 weight: 3*4+2 bytes each way.
 ADAMW_BYTES_PER_PARAM = 28
@@ -545,23 +548,91 @@ class _Builder:
         return out
 
     def ulysses(self, a: AttentionSpec) -> tuple[Comm | None, Comm | None]:
-        """Linear attention under CP/CSBP: sequence->head all-to-all of q, k, v, and back for the output."""
+        """Linear attention under CP/CSBP: sequence->head all-to-all of the clean rows' q, k, v,
+        and back for their output; noisy blocks stay with their owners (`boundary_states`)."""
         if self.lay.kind not in ("cp", "csbp"):
             return None, None
         n = len(self.cp_sync[0])
         width_in = 2 * a.n_kv_heads * a.head_dim + a.n_heads * a.head_dim
         width_out = a.n_heads * a.head_dim
-        recv = lambda width: self.tokens * width * self.dt / self.tp * (n - 1) / n  # noqa: E731
+        clean = self.tokens - self.noisy
+        recv = lambda width: clean * width * self.dt / self.tp * (n - 1) / n  # noqa: E731
         return (self.comm("all-to-all", recv(width_in), self.g_cp, "other"),
                 self.comm("all-to-all", recv(width_out), self.g_cp, "other"))
 
-    def delta_rule(self, a: AttentionSpec, backward: bool) -> Compute:
-        """Chunked Gated-DeltaNet: FLOPs linear in tokens, run as a fused kernel on chunk tiles."""
-        flops = self.tokens * a.n_heads / self.tp * delta_rule_flops_per_token(a.head_dim, a.head_dim)
+    def boundary_states(self, a: AttentionSpec) -> Comm | None:
+        """Linear attention under CP/CSBP: the clean prefix's recurrent and conv state at every
+        block boundary, computed head-sharded, routed to the owners of the noisy blocks that
+        restart from them: an all-to-all to the block owners, an all-gather of every boundary
+        when bp = 1 (implementation.md section 4, Fast-dLLM v2's Gated-DeltaNet layers). In
+        backward the state gradients go back the same way. Block 0 starts from zero.
+
+        A state is heads x dk x dv in fp32 (the chunked kernels' state dtype, assumed [U]) plus
+        the conv's last conv_kernel - 1 inputs in the compute dtype, split over TP by heads.
+        """
+        if self.lay.kind not in ("cp", "csbp"):
+            return None
+        n = len(self.cp_sync[0])
+        conv = max(a.conv_kernel - 1, 0) * (2 * a.n_kv_heads + a.n_heads) * a.head_dim * self.dt
+        state = (a.n_heads * a.head_dim * a.head_dim * LINEAR_STATE_BYTES + conv) / self.tp
+        if self.lay.kind == "cp":  # noisy rows are zigzag shards, not blocks: every boundary
+            blocks = np.full(self.n, self.w.n_blocks - 1, dtype=float)
+            collective: Collective = "all-gather"
+        else:
+            blocks = np.array([len(s.noisy_blocks) - (0 in s.noisy_blocks) for s in self.lay.shares], dtype=float)
+            collective = "all-to-all"
+        return self.comm(collective, blocks * state * self.w.micro_batch * (n - 1) / n, self.g_cp, "other")
+
+    def delta_rule(self, a: AttentionSpec, backward: bool, rows: str = "all") -> Compute:
+        """Chunked Gated-DeltaNet: FLOPs linear in tokens, run as a fused kernel on chunk tiles,
+        over the rank's rows: "all", or (CP/CSBP) the "clean" ones head-sharded after the
+        all-to-all or the "noisy" blocks at their owners."""
+        tokens = {"all": self.tokens, "clean": self.tokens - self.noisy, "noisy": self.noisy}[rows]
+        flops = tokens * a.n_heads / self.tp * delta_rule_flops_per_token(a.head_dim, a.head_dim)
         if backward:
             flops = flops * ATTENTION_BACKWARD_FLOP_RATIO
         return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(flops),
                        self.per_rank(0), 1, self.per_rank(DELTA_RULE_CHUNK), False)
+
+    def linear_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
+        """Gated-DeltaNet in forward or recompute: under CP/CSBP the clean rows go head-sharded
+        through the delta rule, their boundary states travel to the noisy blocks' owners, and
+        each noisy block restarts from its state where it lives."""
+        c = self.cached
+        a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+        if self.lay.kind not in ("cp", "csbp"):
+            return self.add("delta-rule", phase, li, c(("dr", a, False), lambda: self.delta_rule(a, False)), x)
+        x = self.add("lin.a2a-in", phase, li, a2a_in, x)
+        clean = self.add("delta-rule.clean", phase, li, c(("dr-clean", a, False), lambda: self.delta_rule(
+            a, False, "clean")), x)
+        states = self.add("lin.states", phase, li, c(("states", a), lambda: self.boundary_states(a)), clean)
+        out = self.add("lin.a2a-out", phase, li, a2a_out, clean)
+        noisy = self.add("delta-rule.noisy", phase, li, c(("dr-noisy", a, False), lambda: self.delta_rule(
+            a, False, "noisy")), states)
+        return out + noisy
+
+    def linear_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
+        """The backward of `linear_forward`: the noisy blocks' state gradients go home to the
+        rows that computed the states before the clean rows' backward can finish."""
+        c, ph = self.cached, "backward"
+        a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+        if self.lay.kind not in ("cp", "csbp"):
+            return self.add("delta-rule-bwd", ph, li, c(("dr", a, True), lambda: self.delta_rule(a, True)), x)
+        out = self.add("lin.a2a-out-bwd", ph, li, a2a_out, x)
+        noisy = self.add("delta-rule-bwd.noisy", ph, li, c(("dr-noisy", a, True), lambda: self.delta_rule(
+            a, True, "noisy")), x)
+        dstates = self.add("lin.states-bwd", ph, li, c(("dstates", a), lambda: self.state_gradients(a)), noisy)
+        clean = self.add("delta-rule-bwd.clean", ph, li, c(("dr-clean", a, True), lambda: self.delta_rule(
+            a, True, "clean")), out, dstates)
+        return self.add("lin.a2a-in-bwd", ph, li, a2a_in, clean)
+
+    def state_gradients(self, a: AttentionSpec) -> Comm | None:
+        """Boundary-state gradients home: the reverse all-to-all, or a reduce-scatter of the
+        all-gathered boundaries when bp = 1 (the same bytes)."""
+        fwd = self.boundary_states(a)
+        if fwd is None or fwd.collective == "all-to-all":
+            return fwd
+        return replace(fwd, collective="reduce-scatter")
 
     # -- one layer ----------------------------------------------------------------------------
     def layer(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
@@ -593,10 +664,7 @@ class _Builder:
         x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.gemm(f_in)), x)
         x = self.add("context-kv", phase, li, c(("ctx-kv", a), lambda: self.context_kv(a, 1.0)), x)
         if a.kind == "linear":
-            a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
-            x = self.add("lin.a2a-in", phase, li, a2a_in, x)
-            x = self.add("delta-rule", phase, li, c(("dr", a, False), lambda: self.delta_rule(a, False)), x)
-            x = self.add("lin.a2a-out", phase, li, a2a_out, x)
+            x = self.linear_forward(li, a, phase, x)
         else:
             x = self.attention_forward(li, a, phase, x)
         x = self.add("out-proj", phase, li, c(("out", a), lambda: self.gemm(f_out)), x)
@@ -754,10 +822,7 @@ class _Builder:
         x = self.add("attn-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
         x = self.add("out-proj-bwd", "backward", li, c(("outb", a), lambda: self.gemm(g * f_out, 2)), x)
         if a.kind == "linear":
-            a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
-            x = self.add("lin.a2a-out-bwd", "backward", li, a2a_out, x)
-            x = self.add("delta-rule-bwd", "backward", li, c(("dr", a, True), lambda: self.delta_rule(a, True)), x)
-            x = self.add("lin.a2a-in-bwd", "backward", li, a2a_in, x)
+            x = self.linear_backward(li, a, x)
         else:
             x = self.attention_backward(li, a, x)
         x = self.add("context-kv-bwd", "backward", li, c(("ctx-kvb", a), lambda: self.context_kv(a, g)), x)
@@ -930,8 +995,12 @@ class _Builder:
         self.notes.extend(obj.notes)
         if any(a.kind == "linear" for a in layers) and self.lay.kind in ("cp", "csbp"):
             self.notes.append("linear-attention layers under CP/CSBP: sequence<->head all-to-all "
-                              "of q, k, v and of the output over each cp group (Ulysses-style), "
-                              "then the chunked delta rule over whole sequences per head")
+                              "of the clean rows' q, k, v and of their output over each cp group "
+                              "(Ulysses-style), the chunked delta rule over the whole clean sequence "
+                              "per head, its recurrent (fp32 [U]) and conv state at every block "
+                              "boundary routed to the noisy blocks' owners (all-to-all; all-gather "
+                              "when bp = 1, gradients back in backward), and each noisy block's "
+                              "delta rule restarting from its state at its owner (implementation.md 4)")
         if m.is_moe:
             self.notes.append("MoE: balanced routing; experts sharded over ep and not "
                               "tensor-parallel; each sequence-parallel shard routes its own tokens")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from csbp.simulator.cost import seconds as cost_seconds
-from csbp.simulator.graph import Comm, Compute, StepGraph
+from csbp.simulator.graph import Comm, Compute, StepGraph, delta_rule_flops_per_token
 from csbp.simulator.hardware import load_profile
 from csbp.simulator.layout import Layout
 from csbp.simulator.memory import estimate_memory, weight_state
@@ -236,3 +236,42 @@ def test_drafter_memory_freezes_the_head_and_grows_with_context():
     # the context's features, fc output and per-layer K/V: (5 + 1) x hidden + 5 x 2 x 1024 per token
     per_token = (6 * 5120 + 5 * 2048) * 2 / 1024**3
     assert peaks[1] - peaks[0] == pytest.approx((262144 - 65536) * per_token, rel=0.01)
+
+
+@pytest.mark.parametrize("plan", [Plan(cp=4, bp=4), Plan(cp=2, bp=4), Plan(cp=4), Plan(bp=4), Plan(dp=4)])
+def test_gated_deltanet_routes_boundary_states_to_the_noisy_blocks_owners(plan):
+    """Fast-dLLM v2 on a hybrid model: clean rows head-sharded through the delta rule, each noisy
+    block restarting from its clean-prefix state at its owner (implementation.md section 4)."""
+    qwen = load_model("qwen3.5-27b")
+    a = next(k for k in qwen.attention_kinds() if k.kind == "linear")
+    L, b = 4096, 256
+    w = Workload(seq_len=L, block_size=b, objective="fast-dllm-v2")
+    lay = Layout.build(w, plan)
+    g = StepGraph.build(qwen, w, plan, lay, 8)
+    layer = [i for i, k in enumerate(qwen.layers) if k.kind == "linear"][0]
+    ops = {(op.name, op.phase): op for op in g.ops if op.layer == layer}
+    positions = np.array([s.n_positions for s in lay.shares], dtype=float)
+    noisy = np.array([size(intersect(s.positions, ((0, L),))) for s in lay.shares], dtype=float)
+    per_token = a.n_heads * delta_rule_flops_per_token(a.head_dim, a.head_dim)
+    # the delta rule's work is the same however it is split: every row once, two rows per example
+    rule = [op.work.flops for (name, ph), op in ops.items() if name.startswith("delta-rule") and ph == "forward"]
+    assert np.sum(rule, axis=0) == pytest.approx(2 * positions * per_token)
+    if plan.kind not in ("cp", "csbp"):
+        assert not any(name.startswith("lin.") for name, _ in ops)
+        return
+    n = plan.cp
+    width_in = (2 * a.n_kv_heads + a.n_heads) * a.head_dim
+    a2a = ops[("lin.a2a-in", "forward")].work
+    assert a2a.bytes == pytest.approx(tuple(2 * (positions - noisy) * width_in * 2 * (n - 1) / n))  # clean only
+    state = a.n_heads * a.head_dim ** 2 * 4 + (a.conv_kernel - 1) * width_in * 2
+    fwd, bwd = ops[("lin.states", "forward")].work, ops[("lin.states-bwd", "backward")].work
+    if plan.kind == "cp":  # noisy rows are zigzag shards: every boundary, gathered
+        blocks = np.full(n, L // b - 1)
+        assert (fwd.collective, bwd.collective) == ("all-gather", "reduce-scatter")
+    else:
+        blocks = np.array([len(s.noisy_blocks) - (0 in s.noisy_blocks) for s in lay.shares])
+        assert fwd.collective == bwd.collective == "all-to-all"
+    assert fwd.bytes == pytest.approx(tuple(2 * blocks * state * (n - 1) / n)) == bwd.bytes
+    # the noisy blocks wait for their states; the clean backward for the state gradients
+    assert ops[("lin.states", "forward")].index in ops[("delta-rule.noisy", "forward")].deps
+    assert ops[("lin.states-bwd", "backward")].index in ops[("delta-rule-bwd.clean", "backward")].deps
