@@ -31,7 +31,8 @@ def predict(case: Case, profile) -> object:
 
     # overlap off: the runtime calls gloo in the training thread, so every exchange blocks the
     # rank (nothing computes while K/V or gradients move), which is what overlap=False prices
-    return simulate(VALIDATION_MODEL, case.workload, case.plan, profile.on_one_host(case.plan.world),
+    host = profile.on_one_host(case.plan.world).model_copy(update={"implementation": "csbp-runtime"})
+    return simulate(VALIDATION_MODEL, case.workload, case.plan, host,
                     nodes=1, engine="des", overlap=False)
 
 
@@ -47,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "taken out); a profile from another host, torch or more than "
                                    "a week ago is warned about.")
     p.add_argument("--quick", action="store_true",
-                   help="4 plans, one short context, one step: checks bytes and the report (CI)")
+                   help="4 plans, one short context, one warm-up and one measured step: checks bytes, "
+                        "memory and the report (CI)")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help=f"hardware profile of this host (default {DEFAULT_PROFILE}; `csbp calibrate` writes it)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per run (default 3, quick 1)")
@@ -87,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     load_before = loadavg()
     with console.status("running") as status:
         try:
-            runs = measure_suite(cases, repeats, steps, 0 if args.quick else 2, args.timeout,
+            # warm-up: one at least, so the tracked memory peak (steps 0 and 1, memory_tracker)
+            # includes a step with optimizer state, the steady state the model predicts
+            runs = measure_suite(cases, repeats, steps, 1 if args.quick else 2, args.timeout,
                                  lambda text: status.update(f"running: {text}"),
                                  profile.node.probe_step_s is not None)
         except RunFailed as err:  # a rank failed: one line, like `csbp run`
