@@ -297,7 +297,7 @@ def _datasheet(job, ctx: int, profile) -> dict:
     for (phase, _, name), seconds in pred.ops.items():
         rows[f"{phase}/{name}"] = rows.get(f"{phase}/{name}", 0.0) + seconds
     return {"hardware": profile.name, "compute_s": sum(pred.ops.values()), "by_phase": rows,
-            "peak_memory_gib": sum(v for k, v in pred.memory_gib.items() if k != "reserved")}
+            "peak_memory_gib": pred.allocated_gib}
 
 
 # ---- the run --------------------------------------------------------------------------------------

@@ -441,7 +441,9 @@ class Prediction:
     ops: dict[Key, float]
     graph_ops: dict[Key, list[str]]
     collectives: dict[tuple[str, str, str], dict]  # (category, collective, phase) -> figures
-    memory_gib: dict[str, float]
+    memory_gib: dict[str, float]  # by category at the rank's peak, allocator and reserved included
+    allocated_gib: float  # live tensors at the peak: what an allocated-bytes counter measures
+    peak_at: dict  # the phase, op and layer of the rank's peak
 
 
 def predict(job, ctx: int, profile) -> Prediction:
@@ -472,7 +474,14 @@ def predict(job, ctx: int, profile) -> Prediction:
         if op.name not in names.setdefault(key, []):
             names[key].append(op.name)
     memory = estimate_memory(job.model, w, job.plan, layout, profile)
-    return Prediction(ops, names, collectives, memory.rank(ctx))
+    parts = memory.rank(ctx)
+    allocated = getattr(memory, "allocated", None)  # older estimates: categories less reserved
+    allocated = (float(allocated[ctx]) if allocated is not None else
+                 sum(v for k, v in parts.items() if k not in ("reserved", "allocator")))
+    moments = getattr(memory, "moments", None)
+    peak_at = ({k: getattr(moments[ctx], k, None) for k in ("phase", "op", "layer")}
+               if moments is not None else {})
+    return Prediction(ops, names, collectives, parts, allocated, peak_at)
 
 
 def _comm_phase(category: str, phase: str | None) -> str:
@@ -558,7 +567,8 @@ class Emulation:
                                           for c in collectives),
             "measured_peak_memory_gib": self.peak_memory_bytes / GIB,
             "memory_measure": self.memory_measure,
-            "predicted_peak_memory_gib": sum(v for k, v in mem.items() if k != "reserved"),
+            "predicted_peak_memory_gib": self.prediction.allocated_gib,
+            "predicted_peak_at": self.prediction.peak_at,
             "predicted_reserved_gib": mem.get("reserved", 0.0),
             "predicted_memory_gib": mem,
             "notes": self.notes,
@@ -666,8 +676,8 @@ def _notes(job, cuda: bool) -> list[str]:
              "predicted ops: the step graph's compute ops for this context rank, priced one by "
              "one (no overlap), grouped by phase, layer and kind",
              optimizer_note(job),
-             "predicted_peak_memory_gib excludes the profile's reserved memory (context, "
-             "fragmentation), as the measured allocator peak does"]
+             "predicted_peak_memory_gib: the memory model's live tensors at the rank's peak, "
+             "without allocator overhead and reserved memory, as the measured allocated peak"]
     if not cuda:
         notes.append("CPU: wall clock per op; the memory tracker slows the steps it tracks "
                      "(warm up past them for timings)")
