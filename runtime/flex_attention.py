@@ -149,10 +149,22 @@ def tile_pairs(queries: torch.Tensor, keys: torch.Tensor, seq_len: int, block: i
     return pairs
 
 
+RECOMPILE_LIMIT = 64  # graphs per process: a rank's call shapes x (forward, backward), not 8
+
+
 @cache
 def _compiled():
-    """flex_attention compiled once for the process (torch.compile caches a graph per shape)."""
+    """flex_attention compiled once for the process (torch.compile caches a graph per shape).
+
+    A rank calls it at a few shapes (local and received keys per layer kind, ring tiles), with
+    and without gradients; past dynamo's default of 8 graphs it would fall back to the eager,
+    score-materialising path without a word, so the limit is raised.
+    """
     from torch.nn.attention.flex_attention import flex_attention
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across releases
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
     return torch.compile(flex_attention, dynamic=False)
 
 

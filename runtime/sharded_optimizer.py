@@ -42,26 +42,28 @@ class _Shard:
 
     def __init__(self, params: list[torch.nn.Parameter], peers: Peers):
         self.params, self.peers = params, peers
-        self.numel = sum(p.numel() for p in params)
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets[-1]
         self.size = -(-self.numel // peers.size)  # elements per shard
         self.padding = self.size * peers.size - self.numel
         start = peers.index * self.size
-        flat = self._flat([p.detach() for p in params], torch.float32)
-        self.master = torch.nn.Parameter(flat[start:start + self.size].clone())
-
-    def _flat(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Concatenated and padded to equal shards."""
-        device = self.params[0].device
-        parts = [t.reshape(-1).to(dtype) for t in tensors]
-        parts.append(torch.zeros(self.padding, dtype=dtype, device=device))
-        return torch.cat(parts)
+        master = torch.zeros(self.size, dtype=torch.float32, device=params[0].device)
+        for p, off in zip(params, self.offsets):  # only this shard's slices: no full fp32 copy
+            lo, hi = max(off, start), min(off + p.numel(), start + self.size)
+            if lo < hi:
+                master[lo - start:hi - start] = p.detach().reshape(-1)[lo - off:hi - off]
+        self.master = torch.nn.Parameter(master)
 
     def reduce_scatter(self, comm: Comm, wire: torch.dtype) -> None:
         """This rank's shard of the summed gradients (absent ones count as zero) into the
-        master's .grad, in fp32; the full gradients are freed."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flat(grads, wire)
-        for p in self.params:
+        master's .grad, in fp32. Each gradient is freed once copied into the flat buffer, so
+        the full gradients are not held twice."""
+        flat = torch.zeros(self.numel + self.padding, dtype=wire, device=self.params[0].device)
+        for p, off in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[off:off + p.numel()] = p.grad.reshape(-1)
             p.grad = None
         if self.peers.size > 1:
             flat = comm.reduce_scatter(flat, self.peers.group, "gradients",
