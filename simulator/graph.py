@@ -26,7 +26,7 @@ import numpy as np
 from csbp.simulator import kv_rows, mask, pairs
 from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, Implementation, Pass, load_implementation
 from csbp.simulator.layout import Layout, kv_row_bytes
-from csbp.simulator.tiles import tile_counts
+from csbp.simulator.tiles import tile_counts, tiles_aligned
 from csbp.simulator.layout import clear_caches as clear_layout_caches
 from csbp.simulator.objective_layout import anchor_blocks, canvas_view
 from csbp.simulator.objectives import ObjectiveShape, batch_rows, objective_shape
@@ -477,7 +477,7 @@ class _Builder:
             return positions, ((self.lay.seq_len, L2),)
         raise KeyError(name)
 
-    def tiles(self, a: AttentionSpec, name: str, pack: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    def tiles(self, a: AttentionSpec, name: str, pack: bool, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(full, partial) kernel tiles per rank of one call, in tiles per query head (per K/V
         head when GQA heads are packed: then a tile holds 128 / group positions), or None for a
         ring step (priced by pairs, its masked flag standing for partial tiles) [U]."""
@@ -491,8 +491,11 @@ class _Builder:
             out = np.zeros((2, self.n))
             for r in range(self.n):
                 q, k = self.call_spans(r, name)
-                out[:, r] = tile_counts(q, k, self.lay.seq_len, self.lay.block, window, rows,
-                                        ATTENTION_KERNEL_TILE)
+                if tiles_aligned(q, k, self.lay.seq_len, self.lay.block, window, rows, ATTENTION_KERNEL_TILE):
+                    out[0, r] = pairs[r] / (rows * ATTENTION_KERNEL_TILE)  # every touched tile is full
+                else:
+                    out[:, r] = tile_counts(q, k, self.lay.seq_len, self.lay.block, window, rows,
+                                            ATTENTION_KERNEL_TILE)
             return out
         return self.derived(("tiles", name, window, rows), count)
 
@@ -507,7 +510,7 @@ class _Builder:
         queries = self.noisy / self.w.micro_batch if name == "attn.noisy-block" else self.positions
         tile = pairs / np.maximum(queries, 1)
         masked = a.kind == "sliding" or self.w.block_size % ATTENTION_KERNEL_TILE != 0
-        counted = self.tiles(a, name, pack)
+        counted = self.tiles(a, name, pack, pairs)
         full = partial = ()
         if counted is not None:
             heads = (a.n_kv_heads if pack else a.n_heads) / self.tp

@@ -72,6 +72,19 @@ def _tile_runs(first: np.ndarray, last: np.ndarray, seq_len: int, block: int, wi
     return out
 
 
+def tiles_aligned(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int, block: int,
+                  window: int | None, q_rows: int, k_tile: int) -> bool:
+    """True when no tile of the call can be partial, so its tiles are its pairs over a tile's
+    area: no window, blocks and the sequence in whole tiles of both kinds, query spans cut into
+    whole query tiles and key spans into whole key tiles (the studies' block 256 with shards of
+    whole blocks). Then every run a query sees starts and ends on a tile edge and every query of
+    a tile sees the same runs."""
+    if window is not None or block % k_tile or block % q_rows or seq_len % k_tile or seq_len % q_rows:
+        return False
+    return all(a % q_rows == 0 and z % q_rows == 0 for a, z in queries) and \
+        all(a % k_tile == 0 and z % k_tile == 0 for a, z in keys)
+
+
 def _query_tiles(queries: tuple[Span, ...], seq_len: int, q_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """First and last query position of every query tile (spans cut at the noisy/clean border)."""
     starts, stops = [], []

@@ -87,7 +87,9 @@ def test_new_profiles_ship():
     assert b200.node.gpus_per_node == 8 and nvl72.node.gpus_per_node == 72
     assert b200.gpu.peak_tflops > load_profile("h200").gpu.peak_tflops
     for p in (b200, nvl72):  # every figure sourced; the carried-over ones say they are assumed
-        assert all(s.strip() for s in p.sources.values()) and len(p.sources) == 25  # + node.storage_gbs
+        kernels = {k for k in p.sources if k.startswith("gpu.attention_kernels.")}
+        assert kernels and all("[U]" in p.sources[k] for k in kernels)  # carried over from H100
+        assert all(s.strip() for s in p.sources.values()) and len(set(p.sources) - kernels) >= 25
         assert "[U]" in p.sources["gpu.attention_forward_efficiency"]
 
 
