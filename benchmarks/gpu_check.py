@@ -254,6 +254,8 @@ def _watch(worker, pending: list[Emulation], s: Settings, budget: kb.Budget, dat
 
 def _collect(e: Emulation, rc: int, datasheet) -> None:
     out = Path(e.out)
+    if rc != 0 and out.is_file():
+        out.unlink()
     if rc != 0 or not out.is_file():
         e.step.status = "failed"
         e.step.detail["error"] = f"csbp run exited with {rc} (gpu_check_emulations.log)"
@@ -390,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         if e.step.status != "pending":
             done(e)
     run_emulations(todo, s, budget, out_dir, datasheet, done)
+    for leftover in out_dir.glob(".emulat*.json"):  # $OUT brings back 8 files at most
+        leftover.unlink()
     report = {"settings": {k: (v if not isinstance(v, kb.Shapes) else str(v))
                            for k, v in vars(s).items()},
               "environment": env, "budget_s": s.budget_s, "elapsed_s": budget.elapsed(),

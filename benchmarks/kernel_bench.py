@@ -129,7 +129,6 @@ def gemm_points(shapes: Shapes, device: torch.device, budget: Budget, peak_tflop
             flop = 2.0 * m * k * n
             out.append(Point("gemm", "torch.mm", "fwd", f"{m}x{k}x{n}", s, flop, flop / s / 1e12,
                              size=flop / 1e9, note=f"{flop / s / 1e12 / peak_tflops:.3f} of peak"))
-            del a, b
     return out
 
 
@@ -204,6 +203,11 @@ def _fa4():
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2)
     return call
+
+
+LABELS = {"fa2": "torch SDPA FLASH_ATTENTION (FlashAttention-2)", "cudnn": "torch SDPA CUDNN_ATTENTION",
+          "efficient": "torch SDPA EFFICIENT_ATTENTION", "flex-triton": "torch FlexAttention",
+          "fa3": "FA3 (flash_attn_interface)", "fa4": "FA4 (flash_attn.cute)"}
 
 
 def attention_families(device: torch.device) -> dict[str, tuple[object, str]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from kernel_bench import Point, efficiency, log_bins
+from kernel_bench import LABELS, Point, efficiency, log_bins
 
 # the kit's family names -> the profile's attention_kernels keys
 FAMILY_KEYS = {"fa3": "fa3", "fa4": "fa4", "flex-triton": "flex-triton", "cudnn": "cudnn",
@@ -188,7 +188,8 @@ def _attention(gpu: dict, points: list[Point], peak: float, where: str) -> None:
                       and p.head_dim == head_dim and "causal" not in p.shape and p.seconds]
             if ratios and field in entry:
                 entry[field] = _figure(_significant(statistics.median(ratios)),
-                                       f"measured: {family} efficiency over the profile's "
+                                       f"measured: {LABELS.get(family, family)} efficiency "
+                                       "over the profile's "
                                        f"FA3-class curve at the same tile, median of "
                                        f"{len(ratios)} tiles, head dim {head_dim}, non-causal, "
                                        f"{where}")
