@@ -44,9 +44,11 @@ class Case:
     model: ModelSpec
     plan: str
     transport: str = "collective"
+    zero: int = 2  # the workload's default: ZeRO-2 AdamW (gradients reduce-scattered)
 
     def job(self) -> Job:
-        return Job(self.model, SEVEN_BLOCKS, parse_plan(self.plan, transport=self.transport),
+        workload = SEVEN_BLOCKS.model_copy(update={"zero_stage": self.zero})
+        return Job(self.model, workload, parse_plan(self.plan, transport=self.transport),
                    steps=1, warmup=0)
 
 
@@ -55,6 +57,7 @@ CASES = {
     "cp2-ring": Case(TINY, "cp=2", "ring"),
     "csbp-cp2-bp2-sliding-all-to-all": Case(SLIDING, "cp=2,bp=2"),
     "tp2": Case(TINY, "tp=2"),
+    "cp2-replicated-adamw": Case(TINY, "cp=2", zero=0),
 }
 
 
