@@ -433,7 +433,11 @@ def _summary(step: Step) -> dict:
 
 
 def _f(x, digits: int = 4) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+    """Four significant digits (seconds span microseconds to seconds); `digits` decimals for
+    memory."""
+    if x is None:
+        return "-"
+    return f"{x:.{digits}f}" if digits != 4 else f"{x:.4g}"
 
 
 def markdown_summary(report: dict) -> str:
@@ -463,9 +467,10 @@ def markdown(report: dict) -> str:
             f"{_f(k['seconds'], 6)} | {_f(k['tflops'], 1)} | {k['note']} |"
             for k in report["kernels"]]
     out += ["", "## Emulated ranks: measured vs predicted", "",
-            "Predicted: the step graph's compute ops for the rank on the measured profile "
-            "(datasheet profile beside it), priced one by one; peak memory excludes the "
-            "profile's reserved memory.", "",
+            "Predicted: the step graph's compute ops for the rank (csbp-runtime implementation) "
+            "on the measured profile, the datasheet profile beside it, priced one by one. Peak "
+            "memory: the allocator's peak after warm-up against the memory model's live tensors "
+            "at the rank's peak (allocator overhead and reserved memory apart).", "",
             "| kind | plan | L | rank | status | step s | ops s | predicted s | datasheet s | "
             "peak GiB | predicted GiB | datasheet GiB | bytes match |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
