@@ -170,7 +170,13 @@ def _flex(device: torch.device):
     """FlexAttention, compiled on a GPU; eager (unfused) on CPU, where nothing compiles fast."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    fn = torch.compile(flex_attention) if device.type == "cuda" else flex_attention
+    fn = flex_attention
+    if device.type == "cuda":  # one graph per shape and pass: past dynamo's default of 8 it
+        config = torch._dynamo.config  # would fall back, silently, to materialised scores
+        for name in ("recompile_limit", "cache_size_limit"):  # renamed across releases
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), 64))
+        fn = torch.compile(flex_attention, dynamic=False)
 
     def call(q, k, v, causal):
         mask = None
