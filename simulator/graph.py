@@ -16,130 +16,34 @@ stream's issue order.
 
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass, field, replace
-from typing import Literal, NamedTuple, Union
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from csbp.simulator import kv_rows, mask, pairs
-from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, Implementation, Pass, load_implementation
-from csbp.simulator.layout import Layout, kv_row_bytes
-from csbp.simulator.tiles import tile_counts, tiles_aligned
+from csbp.simulator import kv_rows, pairs
+from csbp.simulator.attention_ops import (ATTENTION_BACKWARD_FLOP_RATIO, ATTENTION_KERNEL_TILE,  # noqa: F401
+                                          MERGE_BACKWARD_PASSES, MERGE_FORWARD_PASSES, AttentionOps)
+from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, Implementation, load_implementation
+from csbp.simulator.layer_template import _LayerTemplate
+from csbp.simulator.layout import Layout
 from csbp.simulator.layout import clear_caches as clear_layout_caches
-from csbp.simulator.objective_layout import anchor_blocks, canvas_view
+from csbp.simulator.linear_ops import (DELTA_RULE_CHUNK, LINEAR_STATE_BYTES,  # noqa: F401 (re-exported)
+                                       LinearAttentionOps, delta_rule_flops_per_token)
+from csbp.simulator.objective_ops import ObjectiveOps, _canvas_pairs, _sequence_pairs
 from csbp.simulator.objectives import ObjectiveShape, batch_rows, objective_shape
-from csbp.simulator.pairs import QueryIntervals, pairs_with_keys  # noqa: F401 (pairs_with_keys: re-exported)
+from csbp.simulator.pairs import pairs_with_keys  # noqa: F401 (re-exported)
+from csbp.simulator.placement import _placed_group, group_on_nodes
 from csbp.simulator.plan import Plan
-from csbp.simulator.spans import Span, normalize
 from csbp.simulator.spec import AttentionSpec, ModelSpec
+from csbp.simulator.step_ops import (COUNT_BYTES, LOSS_BYTES, Category, Collective, Comm, Compute,  # noqa: F401
+                                     ComputeKind, Deps, Group, Op, PerRank, Phase, Work)
 from csbp.simulator.workload import Workload
 
-ComputeKind = Literal["gemm", "attention-fwd", "attention-bwd", "elementwise", "optimizer", "storage-read"]
-Collective = Literal["all-gather", "reduce-scatter", "all-reduce", "all-to-all", "p2p"]
-Category = Literal["attention-kv", "gradients", "tp", "ep", "params", "other"]
-Phase = Literal["data", "forward", "recompute", "backward", "grad-sync", "optimizer", "param-sync"]
-
-# FlashAttention backward does 5 matmuls against the forward's 2 (FlashAttention-2 paper, sec. 3).
-ATTENTION_BACKWARD_FLOP_RATIO = 2.5
-# Combining partial attention by LSE (out = w out_a + w_b out_b, lse = logaddexp): forward reads
-# both partial outputs and writes one, backward reads the output gradient and writes both
-# partial ones and the output; in query x head x head_dim elements (the LSEs are 1/head_dim).
-MERGE_FORWARD_PASSES, MERGE_BACKWARD_PASSES = 3, 4
 # Training does dgrad + wgrad: a linear layer's backward is twice its forward.
 GEMM_BACKWARD_FLOP_RATIO = 2.0
-# Query/key tile of FA3 at head dim <= 256 (kBlockM = 128): masks not aligned to it waste work.
-ATTENTION_KERNEL_TILE = 128
-# Chunk length of the chunked (gated) delta rule in flash-linear-attention (chunk_size = 64).
-DELTA_RULE_CHUNK = 64
-# Bytes per element of a linear-attention recurrent state passed between ranks: fp32, as chunked
-# delta-rule kernels keep their state (assumed [U]; bf16 would halve the boundary-state traffic).
-LINEAR_STATE_BYTES = 4
 # Fused AdamW per parameter: reads fp32 master, m, v and a bf16 grad, writes master, m, v and the
 # bf16 weight: 3*4+2 bytes each way.
 ADAMW_BYTES_PER_PARAM = 28
-LOSS_BYTES = 4  # the step's loss, fp32
-COUNT_BYTES = 8  # a row count of the EP dispatch, int64
-
-PerRank = tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Group:
-    """Who takes part in one collective.
-
-    `size` counts every member of the job (copies included) and sets the algorithm's steps;
-    `per_node` is the fewest members that share a node in any instance of the group (equal to
-    `size` when the group sits inside one node), so a spanning group is priced on its slowest
-    level; `sync` lists the representative ranks that wait for each other.
-    """
-
-    size: int
-    per_node: int
-    sync: tuple[tuple[int, ...], ...]
-
-    @property
-    def spans_nodes(self) -> bool:
-        return self.per_node < self.size
-
-    @property
-    def nodes(self) -> int:
-        return math.ceil(self.size / self.per_node)
-
-    def slowest(self, values: np.ndarray) -> np.ndarray:
-        """Per representative rank, the latest of `values` among the ranks it waits for."""
-        if len(self.sync) == len(values):
-            return values
-        if len(self.sync) == 1:
-            return np.full_like(values, values.max())
-        out = values.copy()
-        for members in self.sync:
-            idx = list(members)
-            out[idx] = values[idx].max()
-        return out
-
-
-@dataclass(frozen=True)
-class Compute:
-    kind: ComputeKind
-    flops: PerRank
-    bytes: PerRank  # HBM traffic (what prices memory-bound ops)
-    kernels: int = 1  # GEMM calls the FLOPs are split into: efficiency depends on one call's size
-    tile_len: PerRank = ()  # attention: mean keys per query the kernel sweeps
-    masked: bool = False  # attention: mask edges cut kernel tiles
-    dense_flops: PerRank = ()  # attention: FLOPs of the whole queries x keys rectangle of the call
-    kernel: str = "best"  # attention: the kernel family that runs the call (implementation profile)
-    full_tile_flops: PerRank = ()  # attention: FLOPs of the kernel tiles every pair of which is visible
-    partial_tile_flops: PerRank = ()  # ... and of the tiles the mask cuts (each costs the mask too)
-    readers: int = 1  # storage-read: ranks of one node reading at once (they share its storage)
-
-
-@dataclass(frozen=True)
-class Comm:
-    collective: Collective
-    bytes: PerRank  # received per rank
-    group: Group
-    category: Category
-    peer: tuple[int, ...] = ()  # p2p: the rank each one receives from; both ends must be there
-
-
-Work = Union[Compute, Comm]
-
-
-class Op(NamedTuple):
-    """One op of the step (a tuple: a step holds thousands, stamped layer by layer)."""
-
-    index: int
-    name: str
-    phase: Phase
-    layer: int | None
-    work: Work
-    deps: tuple[int, ...]
-
-    @property
-    def stream(self) -> str:
-        return "comm" if isinstance(self.work, Comm) else "compute"
 
 
 @dataclass(frozen=True)
@@ -210,61 +114,12 @@ class StepGraph:
 
 
 # ---- placement: which ranks of a group share a node --------------------------------------------
-def group_on_nodes(plan: Plan, gpus_per_node: int, axes: tuple[str, ...],
-                   ctx_block: int | None = None) -> tuple[int, int]:
-    """(size, fewest members on one node over all instances) of the groups spanning `axes`.
-
-    Global ranks follow `plan.placement`, innermost axis first. `ctx_block` splits the context
-    axis into consecutive sub-groups of that size (the cp groups of CSBP).
-    """
-    return _placed_group((plan.tp, plan.ctx, plan.ep, plan.dp), plan.placement, gpus_per_node,
-                         axes, ctx_block)
-
-
-@functools.lru_cache(maxsize=1024)
-def _placed_group(degrees: tuple[int, ...], placement: str, gpus_per_node: int,
-                  axes: tuple[str, ...], ctx_block: int | None) -> tuple[int, int]:
-    """`group_on_nodes` from the degrees alone: plans differing in transport or schedule share it."""
-    dims = dict(zip(("tp", "ctx", "ep", "dp"), degrees))
-    order = placement.split(",")
-    coords = np.indices([dims[a] for a in order]).reshape(len(order), -1)
-    strides = np.cumprod([1] + [dims[a] for a in order[:-1]])
-    node = (strides[:, None] * coords).sum(axis=0) // gpus_per_node
-    key = np.zeros(coords.shape[1], dtype=np.int64)
-    for i, a in enumerate(order):
-        if a not in axes:
-            key = key * dims[a] + coords[i]
-    n = int(np.prod([dims[a] for a in axes]))
-    if ctx_block is not None and "ctx" in axes:
-        ci = order.index("ctx")
-        key = key * dims["ctx"] + coords[ci] // ctx_block
-        n = n // dims["ctx"] * ctx_block
-    _, counts = np.unique(key * (int(node.max()) + 1) + node, return_counts=True)
-    return n, int(counts.min())
-
-
-@functools.lru_cache(maxsize=64)
-def _sequence_pairs(seq_len: int, block: int, window: int | None) -> int:
-    return QueryIntervals(((0, 2 * seq_len),), seq_len, block, window).total()  # = mask.pairs
-
-
-def delta_rule_flops_per_token(head_dim_k: int, head_dim_v: int, chunk: int = DELTA_RULE_CHUNK) -> float:
-    """Forward FLOPs per token and value head of the chunked (gated) delta rule.
-
-    Per chunk of C tokens (Yang et al., arXiv 2406.06484 / 2412.06464): K K^T (2C^2 dk), the
-    triangular solve (~2C^3/3), W = T K and U = T V (2C^2 dk + 2C^2 dv), the state terms W S,
-    Q S and the update K^T V' (3 x 2C dk dv), and the intra-chunk Q K^T and its product with V'
-    (2C^2 dk + 2C^2 dv); divided by C.
-    """
-    c, dk, dv = chunk, head_dim_k, head_dim_v
-    return 6 * c * dk + 4 * c * dv + 2 * c * c / 3 + 6 * dk * dv
 
 
 # ---- the builder --------------------------------------------------------------------------------
-Deps = tuple[int, ...]
 
 
-class _Builder:
+class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps):
     """Appends the ops of one step in program order; each helper returns the ops that end it."""
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -382,260 +237,6 @@ class _Builder:
         per_token = 4 * h + 2 * (a.n_heads * a.head_dim + a.kv_width) + 6 * h + 3 * ffn
         return self.tokens * per_token * self.dt / self.tp / 2
 
-    def local_keys(self, rank: int) -> tuple[Span, ...]:
-        """Keys a rank has without any exchange: its own positions and the K/V rows it owns."""
-        share = self.lay.shares[rank]
-        return normalize(share.positions + share.owned_kv)
-
-    def facts(self, phase: Phase) -> Pass:
-        """What the implementation runs for this plan family's attention in `phase`."""
-        return self.family.phase(phase)
-
-    def cut(self, pattern: str, phase: Phase) -> str:
-        """How the phase's attention is cut into calls: `none` (one call, keys at home), `ring`
-        (one call per step), or the implementation's split of a collective."""
-        if pattern in ("none", "ring"):
-            return pattern
-        return self.facts(phase).split
-
-    def split(self, a: AttentionSpec, pattern: str, cut: str | None = None) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """The layer kind's attention split, counted once per layout ownership: it depends only on
-        the shares, the window and the cut, which most candidates of a search share."""
-        window = a.window if a.kind == "sliding" else None
-        cut = cut or ("local-remote" if pattern not in ("none", "ring") else pattern)
-        return self.derived(("attention-split", window, pattern, cut),
-                            lambda: self.attention_split(a, window, pattern, cut))
-
-    def attention_split(self, a: AttentionSpec, window: int | None, pattern: str,
-                        cut: str = "local-remote") -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """(name, pairs, keys in the call) per rank, by where the keys come from.
-
-        `whole`: one call over every key after the exchange; `local-remote`: the rank's own
-        positions and owned rows apart from the rows it receives; `noisy-prefix`: the noisy
-        queries over their own blocks apart from every query over the clean prefix; a ring
-        splits the rest by step (the shard of the rank s places back in the ring).
-        """
-        lay = self.lay
-        total = self.derived(("pairs", window), lambda: pairs.totals(lay, window)).astype(float)
-        if pattern == "none":
-            return [("attn", total, self.positions)]
-        queries = [QueryIntervals.of(lay, r, window) for r in range(self.n)]
-        if pattern != "ring":
-            received = kv_rows.received(lay, a, "forward").astype(float)
-            if cut == "whole":
-                return [("attn", total, self.positions + received)]
-            if cut == "noisy-prefix":
-                own = [self.noisy_spans(r) for r in range(self.n)]
-                block = np.array([queries[r].pairs_with(own[r]) for r in range(self.n)], dtype=float)
-                noisy = np.array([sum(z - q for q, z in own[r]) for r in range(self.n)], dtype=float)
-                clean = self.positions - noisy + received
-                return [("attn.noisy-block", block, noisy), ("attn.prefix", total - block, clean)]
-            local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
-            return [("attn.local", local, self.positions), ("attn.remote", total - local, received)]
-        local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
-        parts = [("attn.local", local, self.positions)]
-        owned = kv_rows.owned_rows(lay).astype(float)
-        m = len(self.cp_sync[0])
-        step_pairs = np.zeros((m, self.n))  # [s, rank]: pairs with the shard s places back
-        step_keys = np.zeros((m, self.n))
-        for g in self.cp_sync:
-            shards = [lay.shares[r].owned_kv for r in g]
-            back = (np.arange(m)[:, None] - np.arange(m)[None, :]) % m  # [i, s] -> member i - s
-            for i, r in enumerate(g):
-                with_each = queries[r].pairs_with_each(shards)  # pairs with member j's shard
-                step_pairs[:, r] = with_each[back[i]]
-                step_keys[:, r] = owned[np.array(g)[back[i]]]
-        for s in range(1, m):
-            parts.append((f"attn.ring{s}", step_pairs[s], step_keys[s]))
-        return parts
-
-    def noisy_spans(self, rank: int) -> tuple[Span, ...]:
-        """The noisy positions a rank holds (whole blocks under BP/CSBP)."""
-        L = self.lay.seq_len
-        return tuple((a, min(z, L)) for a, z in self.lay.shares[rank].positions if a < L)
-
-    def call_spans(self, rank: int, name: str) -> tuple[tuple[Span, ...], tuple[Span, ...]]:
-        """(query spans, key spans) of one named call of a rank, for counting its kernel tiles."""
-        L2 = 2 * self.lay.seq_len
-        everything = ((0, L2),)
-        positions = self.lay.shares[rank].positions
-        if name == "attn":
-            return positions, everything
-        if name == "attn.local":
-            return positions, self.local_keys(rank)
-        if name == "attn.remote":
-            local, out, at = self.local_keys(rank), [], 0
-            for a, z in local:
-                if a > at:
-                    out.append((at, a))
-                at = z
-            return positions, tuple(out) + (((at, L2),) if at < L2 else ())
-        if name == "attn.noisy-block":
-            own = self.noisy_spans(rank)
-            return own, own
-        if name == "attn.prefix":
-            return positions, ((self.lay.seq_len, L2),)
-        raise KeyError(name)
-
-    def tiles(self, a: AttentionSpec, name: str, pack: bool, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(full, partial) kernel tiles per rank of one call, in tiles per query head (per K/V
-        head when GQA heads are packed: then a tile holds 128 / group positions), or None for a
-        ring step (priced by pairs, its masked flag standing for partial tiles) [U]."""
-        if name.startswith("attn.ring"):
-            return None
-        window = a.window if a.kind == "sliding" else None
-        group = max(1, a.n_heads // max(a.n_kv_heads, 1)) if pack else 1
-        rows = max(1, ATTENTION_KERNEL_TILE // group)
-
-        def count():
-            out = np.zeros((2, self.n))
-            for r in range(self.n):
-                q, k = self.call_spans(r, name)
-                if tiles_aligned(q, k, self.lay.seq_len, self.lay.block, window, rows, ATTENTION_KERNEL_TILE):
-                    out[0, r] = pairs[r] / (rows * ATTENTION_KERNEL_TILE)  # every touched tile is full
-                else:
-                    out[:, r] = tile_counts(q, k, self.lay.seq_len, self.lay.block, window, rows,
-                                            ATTENTION_KERNEL_TILE)
-            return out
-        return self.derived(("tiles", name, window, rows), count)
-
-    def attention_work(self, a: AttentionSpec, part: tuple, backward: bool, kernel: str = "best",
-                       pack: bool = False) -> Compute:
-        """pairs x 4 x head_dim x heads/tp forward (QK^T and PV), 2.5x that backward; and the
-        same for the kernel tiles the call really computes (`tiles.py`)."""
-        name, pairs, keys = part
-        per_pair = self.w.micro_batch * 4 * a.head_dim * a.n_heads / self.tp
-        if backward:
-            per_pair *= ATTENTION_BACKWARD_FLOP_RATIO
-        queries = self.noisy / self.w.micro_batch if name == "attn.noisy-block" else self.positions
-        tile = pairs / np.maximum(queries, 1)
-        masked = a.kind == "sliding" or self.w.block_size % ATTENTION_KERNEL_TILE != 0
-        counted = self.tiles(a, name, pack, pairs)
-        full = partial = ()
-        if counted is not None:
-            heads = (a.n_kv_heads if pack else a.n_heads) / self.tp
-            per_tile = self.w.micro_batch * 4 * ATTENTION_KERNEL_TILE ** 2 * a.head_dim * heads
-            if backward:
-                per_tile *= ATTENTION_BACKWARD_FLOP_RATIO
-            full, partial = self.per_rank(counted[0] * per_tile), self.per_rank(counted[1] * per_tile)
-        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(pairs * per_pair),
-                       self.per_rank(0), 1, self.per_rank(tile), masked,
-                       self.per_rank(queries * keys * per_pair), kernel, full, partial)
-
-    def kv_comm(self, a: AttentionSpec, phase: Phase, step: int, payload: str | None) -> Comm | None:
-        """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank (counted
-        from the ownership by `kv_rows`, equal to the exchange's transfers). An implementation
-        that pads collectives sizes every member's buffer by the group's largest shard; dK/dV
-        travel in its gradient dtype."""
-        rows = kv_rows.step_received(self.lay, a, phase, step, payload)
-        pattern = self.pattern(a, phase)
-        facts = self.facts(phase)
-        if pattern == "all-gather" and facts.pad_to_largest_shard:
-            rows = self.padded_rows()
-        gradients = phase == "backward" and (pattern != "ring" or payload == "dkv")
-        dt = facts.gradient_bytes or self.dt if gradients else self.dt
-        nbytes = rows * kv_row_bytes(a, dt, self.tp) * self.w.micro_batch
-        if pattern == "ring":
-            return self.comm("p2p", nbytes, self.g_ring, "attention-kv", kv_rows.ring_senders(self.lay))
-        collective = "all-to-all" if pattern == "all-to-all" else (
-            "reduce-scatter" if phase == "backward" else "all-gather")
-        return self.comm(collective, nbytes, self.g_cp, "attention-kv")
-
-    def padded_rows(self) -> np.ndarray:
-        """Rows each member receives in an all-gather padded to its group's largest shard."""
-        owned = kv_rows.owned_rows(self.lay).astype(float)
-        out = np.zeros(self.n)
-        for g in self.cp_sync:
-            idx = list(g)
-            out[idx] = (len(g) - 1) * owned[idx].max()
-        return out
-
-    def ulysses(self, a: AttentionSpec) -> tuple[Comm | None, Comm | None]:
-        """Linear attention under CP/CSBP: sequence->head all-to-all of the clean rows' q, k, v,
-        and back for their output; noisy blocks stay with their owners (`boundary_states`)."""
-        if self.lay.kind not in ("cp", "csbp"):
-            return None, None
-        n = len(self.cp_sync[0])
-        width_in = 2 * a.n_kv_heads * a.head_dim + a.n_heads * a.head_dim
-        width_out = a.n_heads * a.head_dim
-        clean = self.tokens - self.noisy
-        recv = lambda width: clean * width * self.dt / self.tp * (n - 1) / n  # noqa: E731
-        return (self.comm("all-to-all", recv(width_in), self.g_cp, "other"),
-                self.comm("all-to-all", recv(width_out), self.g_cp, "other"))
-
-    def boundary_states(self, a: AttentionSpec) -> Comm | None:
-        """Linear attention under CP/CSBP: the clean prefix's recurrent and conv state at every
-        block boundary, computed head-sharded, routed to the owners of the noisy blocks that
-        restart from them: an all-to-all to the block owners, an all-gather of every boundary
-        when bp = 1 (implementation.md section 4, Fast-dLLM v2's Gated-DeltaNet layers). In
-        backward the state gradients go back the same way. Block 0 starts from zero.
-
-        A state is heads x dk x dv in fp32 (the chunked kernels' state dtype, assumed [U]) plus
-        the conv's last conv_kernel - 1 inputs in the compute dtype, split over TP by heads.
-        """
-        if self.lay.kind not in ("cp", "csbp"):
-            return None
-        n = len(self.cp_sync[0])
-        conv = max(a.conv_kernel - 1, 0) * (2 * a.n_kv_heads + a.n_heads) * a.head_dim * self.dt
-        state = (a.n_heads * a.head_dim * a.head_dim * LINEAR_STATE_BYTES + conv) / self.tp
-        if self.lay.kind == "cp":  # noisy rows are zigzag shards, not blocks: every boundary
-            blocks = np.full(self.n, self.w.n_blocks - 1, dtype=float)
-            collective: Collective = "all-gather"
-        else:
-            blocks = np.array([len(s.noisy_blocks) - (0 in s.noisy_blocks) for s in self.lay.shares], dtype=float)
-            collective = "all-to-all"
-        return self.comm(collective, blocks * state * self.w.micro_batch * (n - 1) / n, self.g_cp, "other")
-
-    def delta_rule(self, a: AttentionSpec, backward: bool, rows: str = "all") -> Compute:
-        """Chunked Gated-DeltaNet: FLOPs linear in tokens, run as a fused kernel on chunk tiles,
-        over the rank's rows: "all", or (CP/CSBP) the "clean" ones head-sharded after the
-        all-to-all or the "noisy" blocks at their owners."""
-        tokens = {"all": self.tokens, "clean": self.tokens - self.noisy, "noisy": self.noisy}[rows]
-        flops = tokens * a.n_heads / self.tp * delta_rule_flops_per_token(a.head_dim, a.head_dim)
-        if backward:
-            flops = flops * ATTENTION_BACKWARD_FLOP_RATIO
-        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(flops),
-                       self.per_rank(0), 1, self.per_rank(DELTA_RULE_CHUNK), False)
-
-    def linear_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
-        """Gated-DeltaNet in forward or recompute: under CP/CSBP the clean rows go head-sharded
-        through the delta rule, their boundary states travel to the noisy blocks' owners, and
-        each noisy block restarts from its state where it lives."""
-        c = self.cached
-        a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
-        if self.lay.kind not in ("cp", "csbp"):
-            return self.add("delta-rule", phase, li, c(("dr", a, False), lambda: self.delta_rule(a, False)), x)
-        x = self.add("lin.a2a-in", phase, li, a2a_in, x)
-        clean = self.add("delta-rule.clean", phase, li, c(("dr-clean", a, False), lambda: self.delta_rule(
-            a, False, "clean")), x)
-        states = self.add("lin.states", phase, li, c(("states", a), lambda: self.boundary_states(a)), clean)
-        out = self.add("lin.a2a-out", phase, li, a2a_out, clean)
-        noisy = self.add("delta-rule.noisy", phase, li, c(("dr-noisy", a, False), lambda: self.delta_rule(
-            a, False, "noisy")), states)
-        return out + noisy
-
-    def linear_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
-        """The backward of `linear_forward`: the noisy blocks' state gradients go home to the
-        rows that computed the states before the clean rows' backward can finish."""
-        c, ph = self.cached, "backward"
-        a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
-        if self.lay.kind not in ("cp", "csbp"):
-            return self.add("delta-rule-bwd", ph, li, c(("dr", a, True), lambda: self.delta_rule(a, True)), x)
-        out = self.add("lin.a2a-out-bwd", ph, li, a2a_out, x)
-        noisy = self.add("delta-rule-bwd.noisy", ph, li, c(("dr-noisy", a, True), lambda: self.delta_rule(
-            a, True, "noisy")), x)
-        dstates = self.add("lin.states-bwd", ph, li, c(("dstates", a), lambda: self.state_gradients(a)), noisy)
-        clean = self.add("delta-rule-bwd.clean", ph, li, c(("dr-clean", a, True), lambda: self.delta_rule(
-            a, True, "clean")), out, dstates)
-        return self.add("lin.a2a-in-bwd", ph, li, a2a_in, clean)
-
-    def state_gradients(self, a: AttentionSpec) -> Comm | None:
-        """Boundary-state gradients home: the reverse all-to-all, or a reduce-scatter of the
-        all-gathered boundaries when bp = 1 (the same bytes)."""
-        fwd = self.boundary_states(a)
-        if fwd is None or fwd.collective == "all-to-all":
-            return fwd
-        return replace(fwd, collective="reduce-scatter")
 
     # -- one layer ----------------------------------------------------------------------------
     def layer(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
@@ -677,113 +278,6 @@ class _Builder:
         x = self.ffn(li, phase, x, backward=False)
         return self.add("mlp-out.rs", phase, li, self.mlp_collective("reduce-scatter"), x)
 
-    def attend(self, li: int, a: AttentionSpec, phase: Phase, pattern: str, part: int, *deps: Deps) -> Deps:
-        """Append attention of the rank's queries over one key part of the layer kind's split,
-        on the kernel family the implementation runs for that call."""
-        backward = phase == "backward"
-        cut = self.cut(pattern, phase)
-        split = self.split(a, pattern, cut)
-        name = split[part][0]
-        call = "ring" if name.startswith("attn.ring") else name.removeprefix("attn.")
-        if self.keys_at_home:  # the bound: the fastest kernel, GQA packed (fewest tiles)
-            kernel, pack = "best", True
-        else:
-            facts = self.facts(phase)
-            kernel, pack = facts.kernel(call), facts.packs(call)
-        work = self.cached(("attn", a, pattern, cut, part, backward, kernel, pack),
-                           lambda: self.attention_work(a, split[part], backward, kernel, pack))
-        return self.add(name, phase, li, work, *deps)
-
-    def merge(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
-        """Combine two partial attention outputs by their LSE (memory-bound, per query row)."""
-        passes = MERGE_BACKWARD_PASSES if phase == "backward" else MERGE_FORWARD_PASSES
-        work = self.cached(("merge", a, passes), lambda: self.memory_bound(
-            passes * self.positions * self.w.micro_batch * a.n_heads / self.tp * a.head_dim * self.dt))
-        return self.add("attn.merge", phase, li, work, *deps)
-
-    def pack_kv(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
-        """Copy the K/V rows a rank sends into one buffer (read + write; backward: their
-        gradients added back into dK/dV). All-gather sends one shard to every member, so it is
-        packed once."""
-        nbytes = 2 * kv_rows.packed_rows(self.lay, a) * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
-        work = self.cached(("pack", a, phase == "backward"), lambda: self.memory_bound(
-            nbytes * (1.5 if phase == "backward" else 1.0)))
-        return self.add("kv.pack", phase, li, work, *deps)
-
-    def move_kv(self, name: str, li: int, a: AttentionSpec, phase: Phase, step: int,
-                payload: str | None, *deps: Deps) -> Deps:
-        """Append one step of the layer kind's K/V exchange in `phase` (rows from the layout)."""
-        work = self.cached(("kv", a, phase, step, payload), lambda: self.kv_comm(a, phase, step, payload))
-        return self.add(name, phase, li, work, *deps)
-
-    def pattern(self, a: AttentionSpec, phase: Phase) -> str:
-        return "none" if self.keys_at_home else kv_rows.pattern(self.lay, a, phase)
-
-    def copies(self, name: str, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
-        """Copies the implementation puts on the critical path around a collective: full passes
-        (read + write) over every K/V row of the call, or their dK/dV in the gradient dtype."""
-        facts = self.facts(phase)
-        if not facts.copy_passes:
-            return self.add(name, phase, li, None, *deps)
-        backward = phase == "backward"
-        dt = (facts.gradient_bytes or self.dt) if backward else self.dt
-        rows = self.positions + kv_rows.received(self.lay, a, "forward")
-        work = self.cached(("copies", a, phase), lambda: self.memory_bound(
-            facts.copy_passes * 2 * rows * kv_row_bytes(a, dt, self.tp) * self.w.micro_batch))
-        return self.add(name, phase, li, work, *deps)
-
-    def attention_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
-        """Attention over keys at home runs while the rest arrive, unless the implementation
-        waits on the exchange at once; the call over received keys waits for them."""
-        pattern = self.pattern(a, phase)
-        if pattern == "none":
-            return self.attend(li, a, phase, pattern, 0, x)
-        if pattern != "ring":
-            gather = self.move_kv("kv.gather", li, a, phase, 0, None, self.pack_kv(li, a, phase, x))
-            ready = self.copies("kv.reorder", li, a, phase, gather)
-            if self.cut(pattern, phase) == "whole":
-                return self.attend(li, a, phase, pattern, 0, x, ready)
-            waited = ready if self.facts(phase).exchange == "immediate" else ()
-            local = self.attend(li, a, phase, pattern, 0, x, waited)
-            return self.merge(li, a, phase, self.attend(li, a, phase, pattern, 1, local, ready))
-        # ring with two K/V buffers: step s lands once step s-2 has been consumed
-        done, kv = [self.attend(li, a, phase, pattern, 0, x)], x
-        for s in range(1, len(self.split(a, pattern))):
-            kv = self.move_kv(f"kv.ring{s}", li, a, phase, s - 1, None, kv, done[s - 2] if s >= 2 else ())
-            done.append(self.merge(li, a, phase, self.attend(li, a, phase, pattern, s, done[-1], kv)))
-        return done[-1]
-
-    def attention_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
-        """Remote pairs first, so their dK/dV travel home while the local backward runs (unless
-        the implementation waits on the reduce-scatter at once)."""
-        ph: Phase = "backward"
-        pattern = self.pattern(a, ph)
-        if pattern == "none":
-            return self.attend(li, a, ph, pattern, 0, x)
-        if pattern != "ring":
-            if self.cut(pattern, ph) == "whole":
-                call = self.attend(li, a, ph, pattern, 0, x)
-                scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, self.copies("dkv.copies", li, a, ph, call))
-                return self.pack_kv(li, a, ph, scatter, call)
-            remote = self.attend(li, a, ph, pattern, 1, self.merge(li, a, ph, x))
-            scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, self.copies("dkv.copies", li, a, ph, remote))
-            waited = scatter if self.facts(ph).exchange == "immediate" else ()
-            local = self.attend(li, a, ph, pattern, 0, remote, waited)  # while dK/dV travel home
-            return local + self.pack_kv(li, a, ph, scatter, local)
-        # ring with two K/V buffers: K/V of step s land once step s-2 is consumed; the partial
-        # dK/dV of a shard move on after the rank has added its share (step s-1), and the last
-        # hop takes them home. K/V go first so they never queue behind a dK/dV hop.
-        n = len(self.split(a, pattern))
-        done = [self.attend(li, a, ph, pattern, 0, x)]
-        kv = [(), self.move_kv("kv.ring1", li, a, ph, 0, "kv", x)]
-        dkv: Deps = ()
-        for s in range(1, n):
-            if s + 1 < n:
-                kv.append(self.move_kv(f"kv.ring{s + 1}", li, a, ph, s, "kv", kv[s], done[s - 1]))
-            dkv = self.move_kv(f"dkv.ring{s}", li, a, ph, s - 1, "dkv", done[s - 1], dkv)
-            done.append(self.attend(li, a, ph, pattern, s, done[s - 1], kv[s]))
-        home = self.move_kv("dkv.ring-home", li, a, ph, n - 1, "dkv", done[-1], dkv)
-        return done[-1] + home
 
     def ffn(self, li: int, phase: Phase, x: Deps, backward: bool) -> Deps:
         """Dense SwiGLU, or router + routed experts (EP all-to-all around them) + dense branch."""
@@ -894,100 +388,6 @@ class _Builder:
             dense, expert = dense / self.g_dense.size, expert / self.g_expert.size
         return self.memory_bound((dense + expert) * ADAMW_BYTES_PER_PARAM, "optimizer")
 
-    # -- objective-specific work -----------------------------------------------------------------
-    def context_kv(self, a: AttentionSpec, ratio: float) -> Compute | None:
-        """Drafter: K and V projections of the target-feature tokens a rank holds (x ratio backward)."""
-        if not self.context.any() or a.kind == "linear":
-            return None
-        return self.gemm(ratio * 2 * self.context * self.m.hidden * a.kv_width * a.kv_tensors / self.tp,
-                         a.kv_tensors * (2 if ratio > 1 else 1))
-
-    def conditioning(self, backward: bool) -> Compute | None:
-        """Drafter: fc projection of the concatenated target layers to the hidden size.
-
-        The features are data (captured offline), so the backward is the weight gradient only.
-        """
-        if not self.context.any():
-            return None
-        return self.gemm(2 * self.context * self.m.conditioning_layers * self.m.hidden ** 2 / self.tp)
-
-    def storage_read(self) -> Compute | None:
-        """Stored inputs read inside the step (a drafter's offline target features): each rank
-        reads the features of the context tokens it holds, at its share of the node's storage
-        bandwidth, since every rank of a node reads at the step's start (implementation.md
-        section 5: the measured step includes loading its data and target features).
-
-        Which tokens a rank reads is an assumption [U]: the ones it turns into K/V (a loader that
-        reads the whole example on every context rank reads cp x more); TP peers read the same.
-        """
-        per_token = self.obj.stored_bytes_per_token(self.m)
-        if not per_token or not self.context.any():
-            return None
-        return Compute("storage-read", self.per_rank(0), self.per_rank(self.context * per_token),
-                       readers=min(self.gpn, self.p.world))
-
-    def canvas_sync(self, x: Deps) -> Deps:
-        """Whether the self-conditioning pass runs is one MAX all-reduce of a flag over its sync
-        group, every step (implementation.md section 4, DiffusionGemma)."""
-        axis = self.obj.canvas_sync_axis
-        if axis is None or not self.obj.canvas_passes:
-            return x
-        group = {"ep": self.g_ep}[axis]
-        return self.add(f"selfcond.draw.{axis}-max", "forward", None, self.comm(
-            "all-reduce", COUNT_BYTES * 2 * self.ring_share(group), group, "other"), x)
-
-    def canvas_pass(self, x: Deps) -> Deps:
-        """Self-conditioning: the expected share of a gradient-free forward of the canvas tokens,
-        their LM head and softmax, and the soft embedding they feed, appended as work scaled by
-        the pass's probability."""
-        p = self.obj.canvas_passes
-        sub = _Builder(self.m, self.w, self.p, canvas_view(self.lay), self.gpn, self.ops, self.notes,
-                       keys_at_home=self.keys_at_home, implementation=self.impl)
-        start = len(self.ops)
-        for li, a in enumerate(self.m.layers):
-            x = sub.layer(li, a, "forward", x)
-        x = sub.loss_forward(x, sub.noisy)
-        if self.obj.soft_embedding:
-            x = sub.soft_embedding(x)
-        scaled: dict[int, Work] = {}
-        for op in self.ops[start:]:
-            if id(op.work) not in scaled:
-                scaled[id(op.work)] = _scaled(op.work, p)
-            self.ops[op.index] = op._replace(name=f"selfcond.{op.name}", work=scaled[id(op.work)])
-        return x
-
-    def loss_rows(self) -> np.ndarray:
-        """Rows the LM head and loss run on: the noisy tokens, and every clean row too when the
-        objective adds an autoregressive loss on the clean stream (DiffusionGemma); a clean row
-        replicated on several ranks (pure BP, CSBP's replicas) runs it on each [U]."""
-        return self.tokens if self.obj.clean_loss else self.noisy
-
-    def head_calls(self, per_block: int) -> int:
-        """GEMM calls of the LM head: `per_block` per vocabulary block of the rank's V/tp."""
-        blk = self.obj.vocab_block
-        return per_block * (math.ceil(self.m.vocab / self.tp / blk) if blk else 1)
-
-    def loss_forward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
-        """Vocabulary-parallel LM head and cross-entropy over the loss rows (`loss_rows`)."""
-        h, V = self.m.hidden, self.m.vocab
-        rows = self.loss_rows() if rows is None else rows
-        x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", rows), x)
-        x = self.add("lm-head", "forward", None, self.gemm(2 * rows * h * V / self.tp, self.head_calls(1)), x)
-        # vocabulary-parallel cross-entropy: each row's max logit, then its target logit and sum
-        # of exponentials, all-reduced over TP in fp32 (Megatron's algorithm)
-        for name, values in (("max", 1), ("sums", 2)):
-            x = self.add(f"cross-entropy.{name}.ar", "forward", None, self.comm(
-                "all-reduce", rows * values * LOSS_BYTES * 2 * self.ring_share(self.g_tp),
-                self.g_tp, "tp"), x)
-        return self.add("cross-entropy", "forward", None, self.memory_bound(rows * V / self.tp * 4 * 3), x)
-
-    def soft_embedding(self, x: Deps) -> Deps:
-        """Self-conditioning's soft embedding: the canvas's probabilities times the embedding
-        matrix, each TP rank over its V/tp rows, the partial sums reduce-scattered to the
-        sequence shards as the embedding's are (implementation.md section 4, DiffusionGemma (2))."""
-        h, V = self.m.hidden, self.m.vocab
-        x = self.add("soft-embed", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
-        return self.add("soft-embed.rs", "forward", None, self.tp_collective("reduce-scatter", self.noisy), x)
 
     # -- the step ------------------------------------------------------------------------------
     def build(self) -> StepGraph:
@@ -1076,98 +476,6 @@ class _Builder:
         return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.passes * obj.rows_per_example,
                          tuple(self.notes))
 
-    def model_flops(self) -> float:
-        """One context group's step math, counted once: 3x forward GEMMs, 3.5x attention.
-
-        The graph's formulas on the unsplit sequence (every row, the clean stream's AR loss, the
-        expected self-conditioning forward with its soft embedding), so replicated work (pure
-        BP's clean prefix, CSBP's clean replicas, CP's replicated draft decoder) and recompute
-        (a frozen head's recomputed logits included) do not count as useful work.
-        """
-        m, obj = self.m, self.obj
-        draft = _anchor_tokens(self.w) if obj.context_as_kv else None
-        if draft is not None:  # drafter: draft tokens through the layers, context as K/V only
-            L, T = self.w.seq_len, draft
-            ctx = sum(3 * 2 * L * m.hidden * a.kv_width * a.kv_tensors for a in m.layers if a.kind != "linear")
-            pairs = dict.fromkeys(m.attention_kinds(), _anchor_pairs(self.w))
-            total = self._layers_flops(T, pairs, 3.0) + ctx
-            total += 2 * 2 * L * m.conditioning_layers * m.hidden ** 2  # fc: forward + weight gradient
-            total += 2 * 2 * T * m.hidden * m.vocab  # frozen head: forward + input gradient
-            return total * self.w.micro_batch
-        L, b = self.w.seq_len, self.w.block_size
-        pairs = {a: _sequence_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
-        head = 2 * L * m.hidden * m.vocab  # the LM head's forward over L rows
-        main = self._layers_flops(2 * L, pairs, 3.0) + 3 * head * (2 if obj.clean_loss else 1)
-        canvas = {a: _canvas_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
-        selfcond = self._layers_flops(L, canvas, 1.0) + head * (2 if obj.soft_embedding else 1)
-        # micro_batch counts the batch's rows (`batch_rows`): an objective's rows are all useful
-        return (obj.passes * main + obj.canvas_passes * selfcond) * self.w.micro_batch
-
-    def _layers_flops(self, tokens: float, pairs: dict[AttentionSpec, float], gemm_x: float) -> float:
-        """Every layer's GEMMs on `tokens` (x gemm_x) and attention on its pairs (x gemm_x + 0.5
-        for forward+backward, x1 for a forward only)."""
-        m, total = self.m, 0.0
-        attn_x = gemm_x + 0.5 if gemm_x > 1 else 1.0
-        for a in m.layers:
-            gemm = m.mixer_params(a) + m.dense_ffn_params()
-            if m.moe:
-                gemm += m.moe.top_k * 3 * m.hidden * m.moe.expert_ffn + m.hidden * m.moe.n_experts
-            total += gemm_x * 2 * tokens * gemm
-            if a.kind == "linear":
-                total += attn_x * tokens * a.n_heads * delta_rule_flops_per_token(a.head_dim, a.head_dim)
-            else:
-                total += attn_x * pairs[a] * 4 * a.head_dim * a.n_heads
-        return total
-
-
-Relative = tuple[bool, tuple[int, ...]]  # (after the layer's input?, after these ops of the layer)
-
-
-@dataclass(frozen=True)
-class _LayerTemplate:
-    """The ops one layer appended, with dependencies relative to its input and its first op."""
-
-    ops: tuple[tuple[str, Phase, Work, Relative], ...]
-    out: Relative
-
-    @classmethod
-    def record(cls, ops: list[Op], start: int, x: Deps, out: Deps) -> "_LayerTemplate | None":
-        """None if some op waits for only part of the input (then the layer cannot be stamped)."""
-        inputs = set(x)
-
-        def relative(deps: Deps) -> Relative | None:
-            outer = {d for d in deps if d < start}
-            inner = tuple(sorted({d - start for d in deps if d >= start}))
-            return (bool(outer), inner) if outer in (set(), inputs) else None
-
-        rel = [relative(op.deps) for op in ops] + [relative(out)]
-        if None in rel:
-            return None
-        return cls(tuple((op.name, op.phase, op.work, r) for op, r in zip(ops, rel)), rel[-1])
-
-    def stamp(self, ops: list[Op], layer: int, x: Deps) -> Deps:
-        """Append a copy for `layer` after input `x`; returns the ops that end it (as a set)."""
-        base, inputs = len(ops), tuple(sorted(set(x)))  # inputs precede every op of the layer
-        shift, new = base.__add__, tuple.__new__
-        ops.extend([new(Op, (base + k, name, phase, layer, work,
-                             (inputs if after_input else ()) + tuple(map(shift, inner))))
-                    for k, (name, phase, work, (after_input, inner)) in enumerate(self.ops)])
-        after_input, inner = self.out
-        return (inputs if after_input else ()) + tuple(map(shift, inner))
-
-
-def _scaled(work: Work, p: float) -> Work:
-    """The expected work of something that runs with probability p."""
-    if isinstance(work, Comm):
-        return replace(work, bytes=tuple(b * p for b in work.bytes))
-    return replace(work, flops=tuple(f * p for f in work.flops), bytes=tuple(b * p for b in work.bytes),
-                   dense_flops=tuple(f * p for f in work.dense_flops))
-
-
-@functools.lru_cache(maxsize=64)
-def _canvas_pairs(seq_len: int, block: int, window: int | None) -> int:
-    return QueryIntervals(((0, seq_len),), seq_len, block, window).total()  # = mask.pairs
-
 
 # what other modules keep between graphs (prices, recent graphs), forgotten with the rest
 ALSO_CLEARED: list = []
@@ -1182,10 +490,3 @@ def clear_caches() -> None:
         clear()
 
 
-def _anchor_tokens(w: Workload) -> int:
-    return min(w.max_anchors, w.n_blocks) * w.block_size
-
-
-def _anchor_pairs(w: Workload) -> int:
-    spans = tuple((k * w.block_size, (k + 1) * w.block_size) for k in anchor_blocks(w.n_blocks, w.max_anchors))
-    return mask.pairs(spans, w.seq_len, w.block_size)

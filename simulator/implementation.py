@@ -50,7 +50,8 @@ class Pass(BaseModel):
     split: Annotated[Split, FIGURE] = "local-remote"
     # kernel family per call name ("default": any call not named); "best" = the GPU's fastest
     kernels: Annotated[dict[str, str], FIGURE] = Field(default_factory=lambda: {"default": "best"})
-    # calls that pack a K/V head's query heads into one query tile (FA3/FA4 pack-GQA)
+    # calls that pack a K/V head's query heads into one query tile (FA3/FA4 pack-GQA); "all", or
+    # "auto": every call packed or not, whichever computes fewer tiles
     pack_gqa: Annotated[tuple[str, ...], FIGURE] = ()
     # immediate: the collective is waited on before any attention of the layer runs
     exchange: Annotated[Literal["overlapped", "immediate"], FIGURE] = "overlapped"
@@ -68,7 +69,10 @@ class Pass(BaseModel):
     def kernel(self, call: str) -> str:
         return self.kernels.get(call, self.kernels["default"])
 
-    def packs(self, call: str) -> bool:
+    def packs(self, call: str) -> bool | str:
+        """Whether the call packs GQA heads into its query tiles; "auto": whichever wastes less."""
+        if "auto" in self.pack_gqa:
+            return "auto"
         return call in self.pack_gqa or "all" in self.pack_gqa
 
 
@@ -118,6 +122,11 @@ class Implementation(BaseModel):
         unknown = sorted(set(self.families) - set(FAMILIES))
         if unknown:
             raise ValueError(f"unknown plan families {unknown}: use {', '.join(FAMILIES)}")
+        for name, fam in self.families.items():
+            for p in (fam.forward, fam.recompute, fam.backward):
+                if p is not None and p.split == "noisy-prefix" and name != "csbp":
+                    raise ValueError(f"{name}: the noisy-prefix split needs whole noisy blocks and the "
+                                     "whole clean sequence on each rank after the exchange (csbp only)")
         return self
 
     def family(self, kind: str, transport: str) -> Family:

@@ -136,7 +136,7 @@ def test_attention_flops_of_a_rank_match_its_pairs():
 
 
 def test_kv_gather_overlaps_local_attention_and_the_rest_waits():
-    g = graph(M8, Plan(cp=8, bp=8, dp=2))
+    g = graph(M8, Plan(cp=8, bp=8, dp=2), implementation="csbp-runtime")  # the local-remote split
     ops = [op for op in g.ops if op.layer == 3 and op.phase == "forward"]
     by_name = {op.name: op for op in ops}
     gather, local, remote = by_name["kv.gather"], by_name["attn.local"], by_name["attn.remote"]
