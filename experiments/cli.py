@@ -21,6 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     runp.add_argument("name", nargs="?", default="all", help=f"all | {' | '.join(STUDIES)}")
     runp.add_argument("--out", default=str(RESULTS), help="results folder (default experiments/results)")
     runp.add_argument("--jobs", type=int, default=None, help="processes per search (default: all cores)")
+    from csbp.simulator.cli_args import add_implementation_arg
+
+    add_implementation_arg(runp)
     actions.add_parser("list", help="list the studies")
     p.set_defaults(func=run)
 
@@ -35,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
     studies = [load(n) for n in (STUDIES if args.name == "all" else [args.name])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runner, sections, begin = Runner(workers=args.jobs), [], time.perf_counter()
+    from csbp.simulator.implementation import load_implementation
+
+    load_implementation(args.implementation)  # bad input: one line before any study runs
+    runner = Runner(workers=args.jobs, implementation=args.implementation)
+    sections, begin = [], time.perf_counter()
     for study in studies:
         start = time.perf_counter()
         result = study.run(runner, out)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from csbp.simulator.errors import InputError
 from csbp.simulator.hardware import HardwareProfile, load_profile
+from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, check_kernels, load_implementation
 from csbp.simulator.method_vs_implementation import speedup_by_implementation
 from csbp.simulator.planner import Search, describe, family, fmt_tokens, plan_of, search
 from csbp.simulator.result import Result
@@ -43,12 +44,15 @@ class Runner:
     """Planner searches for a run of studies, cached; `workers` processes per search."""
 
     workers: int | None = None
+    implementation: str = DEFAULT_IMPLEMENTATION  # what the clusters' framework executes
     _searches: dict = field(default_factory=dict)
     _profiles: dict = field(default_factory=dict)
 
     def profile(self, cluster: Cluster) -> HardwareProfile:
         if cluster.hardware not in self._profiles:
-            self._profiles[cluster.hardware] = load_profile(cluster.hardware)
+            profile = load_profile(cluster.hardware)
+            check_kernels(load_implementation(self.implementation), profile.gpu)
+            self._profiles[cluster.hardware] = profile.model_copy(update={"implementation": self.implementation})
         return self._profiles[cluster.hardware]
 
     def search(self, model: ModelSpec, workload: Workload, cluster: Cluster,

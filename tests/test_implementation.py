@@ -221,3 +221,34 @@ def test_simulate_command_reports_the_implementation(capsys):
     rc = main(["simulate", "--plan", "dp=2,cp=8", "--seq-len", "64k", "--implementation", "nope"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "unknown implementation 'nope'" in err[0]
+
+
+def test_placement_is_searched_where_it_changes_groups():
+    from csbp.simulator.planner import STRIPED_PLACEMENT, enumerate_space
+
+    w = Workload(seq_len=K64)
+    two = enumerate_space(M8, w, 16, ("full",), gpus_per_node=8).candidates
+    striped = {c.plan.label() for c in two if c.plan.placement == STRIPED_PLACEMENT}
+    assert "dp=2,cp=8,bp=8" in striped and "dp=16" not in striped and "cp=16,bp=16" not in striped
+    one = enumerate_space(M8, w, 8, ("full",), gpus_per_node=8).candidates
+    assert all(c.plan.placement != STRIPED_PLACEMENT for c in one)  # one node: nothing to choose
+
+
+def test_striped_context_group_moves_kv_across_nodes(h200):
+    from csbp.simulator.planner import STRIPED_PLACEMENT
+
+    w = Workload(seq_len=4 * K64)
+    inside = simulate(M8, w, Plan(dp=2, cp=8), h200, 2)
+    striped = simulate(M8, w, Plan(dp=2, cp=8, placement=STRIPED_PLACEMENT), h200, 2)
+    assert striped.step_time_s > inside.step_time_s  # K/V over InfiniBand instead of NVLink
+
+
+def test_plan_json_carries_speedup_by_implementation(capsys):
+    from csbp.simulator.cli import main
+
+    rc = main(["plan", "--seq-len", "64k", "--nodes", "1", "--top", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    by = out["speedup_by_implementation"]
+    assert rc == 0 and set(by) == {"ideal", "turbo-dllm"} and out["implementation"] == "turbo-dllm"
+    assert by["turbo-dllm"] == pytest.approx(out["speedup"])
+    assert all(v is None or v > 0 for v in by.values())
