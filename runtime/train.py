@@ -34,6 +34,9 @@ from csbp.simulator.workload import Workload
 GIB = 1024**3
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LEARNING_RATE = 1e-3
+# what this runtime executes, as an implementation profile (implementations/csbp-runtime.yaml):
+# the step graph it holds its byte counts to is the one of its own calls
+RUNTIME_IMPLEMENTATION = "csbp-runtime"
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ def predicted_bytes(job: Job) -> list[dict[str, int]]:
     EP and DP copies receive the same), for the plan as the runtime runs it (`zero_stage`)."""
     w = job.workload.model_copy(update={"zero_stage": zero_stage(job)})
     layout = Layout.build(w, job.plan)
-    graph = StepGraph.build(job.model, w, job.plan, layout, gpus_per_node=job.plan.world)
+    graph = StepGraph.build(job.model, w, job.plan, layout, gpus_per_node=job.plan.world,
+                            implementation=RUNTIME_IMPLEMENTATION)
     received = graph.received_bytes()
     return [{c: round(float(received[c][r])) if c in received else 0 for c in CATEGORIES}
             for r in range(layout.size)]
@@ -297,6 +301,7 @@ def summarize(job: Job, reports: list[RankReport], device: str, notes: list[str]
         "world": job.plan.world,
         "device": device,
         "backend": "nccl" if device == "cuda" else "gloo",
+        "zero_stage": zero_stage(job),  # what ran (0 where checkpoints need replicated state)
         "steps": len(per_step),
         "warmup": job.warmup,
         "first_step": max(job.start_step, job.warmup),  # the step of losses[0]
