@@ -178,6 +178,8 @@ def flex_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     b, h_kv, g, n, d = q.shape
+    if k.shape[2] == 0:  # no keys at all (a rank that receives nothing): nothing seen
+        return q.new_zeros(q.shape), q.new_full((b, h_kv, g, n), float("-inf"), dtype=torch.float32)
     call = _compiled() if q.is_cuda else flex_attention
     with warnings.catch_warnings():  # eager CPU: "called without torch.compile" (intended)
         warnings.simplefilter("ignore", UserWarning)
