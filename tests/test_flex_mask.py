@@ -22,6 +22,7 @@ from csbp.simulator.mask import visible
 from csbp.simulator.plan import parse_plan
 from csbp.simulator.spec import AttentionSpec
 from csbp.simulator.workload import Workload
+from test_runtime_plans import relative_error
 
 TILE = 16  # small tiles: several per call, ragged edges
 LAYERS = (AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16),
@@ -190,3 +191,73 @@ def test_tile_backward_formula_through_autograd_equals_the_explicit_backward():
         got = torch.autograd.grad((out_t, lse_t), inputs, (w.unsqueeze(-1) * grad_out, grad_lse))
         for a, b in zip(got, want):
             assert torch.allclose(a, b, atol=1e-10)
+
+
+# ---- CUDA only (skipped on CPU): the compiled kernels, forward and backward -----------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs CUDA: FlexAttention's compiled kernels and backward")
+
+
+@cuda
+@pytest.mark.timeout(900)
+def test_compiled_flex_on_cuda_matches_the_exact_path_forward_and_backward():
+    """Two key sets merged by LSE (as the K/V exchanges do), differentiated through both
+    outputs and LSEs; and the ring's tile backward (through flex) against the explicit one."""
+    from csbp.runtime.attention import tile_backward
+
+    dev = torch.device("cuda")
+    picked = CASES[::max(1, len(CASES) // 6)]
+    for i, (name, whole) in enumerate(picked):
+        vis = Visibility(whole.queries, whole.keys, whole.seq_len, whole.block, whole.window)
+        n_k = vis.shape[1]
+        cut = n_k // 2
+        parts = [Visibility(vis.queries, vis.keys[s], vis.seq_len, vis.block, vis.window)
+                 for s in (slice(0, cut), slice(cut, n_k))]
+        q, k, v = (t.float().to(dev).requires_grad_() for t in _qkv(vis, i))
+        out, lse = flex_attention_with_lse(q, k[:, :, :cut], v[:, :, :cut], parts[0], 0.25)
+        out, lse = merge(out, lse, *flex_attention_with_lse(q, k[:, :, cut:], v[:, :, cut:],
+                                                            parts[1], 0.25))
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(i)).to(dev)
+        got = torch.autograd.grad(out, (q, k, v), g)
+        exact = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        want, want_lse = attention_with_lse(*exact, vis.dense(dev), 0.25)
+        wanted = torch.autograd.grad(want, exact, g)
+        assert relative_error(out.detach().double().cpu().numpy(),
+                              want.detach().double().cpu().numpy()) < 1e-3, name
+        for a, b in zip(got, wanted):
+            assert relative_error(a.double().cpu().numpy(), b.double().cpu().numpy()) < 1e-3, name
+        with torch.no_grad():  # the ring's tile backward from the global out and lse
+            for part, s in zip(parts, (slice(0, cut), slice(cut, n_k))):
+                if part.shape[1] == 0:
+                    continue
+                a3 = tile_backward(q, k[:, :, s], v[:, :, s], part, 0.25, want, want_lse, g)
+                b3 = attention_backward(q, k[:, :, s], v[:, :, s], part.dense(dev), 0.25, want,
+                                        want_lse, g)
+                for a, b in zip(a3, b3):
+                    assert relative_error(a.double().cpu().numpy(),
+                                          b.double().cpu().numpy()) < 1e-3, name
+
+
+@cuda
+@pytest.mark.timeout(900)
+def test_flex_on_cuda_never_materialises_the_scores_at_32k_tokens():
+    """One rank's 2L = 32K positions (L = 16K, block 256), 8 query heads of dim 128, bf16:
+    the dense scores alone would be 8 x 32K x 32K x 2 bytes = 16 GiB; flex stays far below."""
+    dev = torch.device("cuda")
+    seq_len, block = 16 * 1024, 256
+    positions = torch.arange(2 * seq_len)
+    vis = Visibility(positions, positions, seq_len, block, None)
+    g = torch.Generator(device=dev).manual_seed(0)
+    shape = (1, 2, 4, 2 * seq_len, 128)
+    q = torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn((1, 2, 2 * seq_len, 128), generator=g, device=dev,
+                        dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    flex_attention_with_lse(q, k, v, vis, 128 ** -0.5)[0].sum().backward()  # compile
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    out, lse = flex_attention_with_lse(q, k, v, vis, 128 ** -0.5)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    assert torch.isfinite(lse).all()
+    assert torch.cuda.max_memory_allocated(dev) - base < 2 * 1024**3
