@@ -8,7 +8,9 @@ gradient. No averaging anywhere. Who those ranks are depends on the weight:
 - routed experts: dp x ctx x tp (they are whole on every TP rank, which routes its own tokens);
 - weights applied to a TP rank's sequence shard only (norms, the router; `sequence_parallel`):
   also over tp, once per step (Megatron's layer-norm gradient all-reduce).
-Gradients travel in the workload's dtype, as the step graph prices them.
+Gradients travel in the workload's dtype, as the step graph prices them. This is the replicated
+optimizer's all-reduce (ZeRO-0); ZeRO-1/2 reduce-scatter over the same groups instead
+(`runtime.sharded_optimizer`).
 """
 
 from __future__ import annotations
