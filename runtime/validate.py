@@ -40,9 +40,11 @@ def predict(case: Case, profile) -> object:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="run plans on this host and compare with predictions",
-                       description="Run DP, CP, pure BP and CSBP at world sizes 2 and 4 and two "
-                                   "context lengths, and compare measured step time, attention "
-                                   "bytes and peak memory with the simulator's predictions. "
+                       description="Run DP, CP, pure BP and CSBP at world sizes 2 and 4, two "
+                                   "context lengths and both checkpointing settings, and compare "
+                                   "measured step time, attention bytes and peak memory "
+                                   "(allocated bytes on both sides) with the simulator's "
+                                   "predictions. "
                                    "Errors are given raw and normalised by a reference step "
                                    "timed between rounds (the host's drift since calibration "
                                    "taken out); a profile from another host, torch or more than "
