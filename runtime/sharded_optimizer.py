@@ -22,8 +22,12 @@ The groups are `plans.dp`'s: dense weights over dp x ctx x ep, routed experts ov
 
 [U] ZeRO-1 runs as ZeRO-2 (the same numerics and traffic; gradients freed after the scatter, so
 less memory than the simulator's ZeRO-1 figure). [U] One bucket per group after the backward
-pass, not per-layer buckets overlapped with it: the full gradients are alive until the scatter
-(the simulator counts two layer buckets). [U] A weight no token reached (an expert) has gradient
+pass, not per-layer buckets overlapped with it: the full gradients (accumulated in place in the
+flat buffer, held once) are alive until the scatter, where the simulator counts the shard plus
+two layer buckets. Per-layer buckets need collectives issued from backward hooks in one order on
+every rank of a group, which a weight without a gradient on some rank (an expert no token chose)
+would break; with blocking collectives that interleave with the K/V exchanges of the backward
+pass, a different order deadlocks. [U] A weight no token reached (an expert) has gradient
 zero here and is still decayed, as replicated AdamW after an all-reduce does; a single process
 skips it.
 """
@@ -34,7 +38,7 @@ import torch
 
 from csbp.runtime.comm import Comm
 from csbp.runtime.mesh import Mesh, Peers
-from csbp.runtime.plans.dp import routed_parameters, sum_gradients
+from csbp.runtime.plans.dp import routed_parameters
 
 
 class _Shard:
@@ -55,16 +59,28 @@ class _Shard:
             if lo < hi:
                 master[lo - start:hi - start] = p.detach().reshape(-1)[lo - off:hi - off]
         self.master = torch.nn.Parameter(master)
+        self.flat: torch.Tensor | None = None
+
+    def prepare(self) -> None:
+        """Every weight's .grad a zeroed view into one flat buffer: autograd accumulates into
+        it in place (as DDP's gradient_as_bucket_view), so the full gradients exist once."""
+        p0 = self.params[0]
+        self.flat = torch.zeros(self.numel + self.padding, dtype=p0.dtype, device=p0.device)
+        for p, off in zip(self.params, self.offsets):
+            p.grad = self.flat[off:off + p.numel()].view_as(p)
 
     def reduce_scatter(self, comm: Comm, wire: torch.dtype) -> None:
         """This rank's shard of the summed gradients (absent ones count as zero) into the
-        master's .grad, in fp32. Each gradient is freed once copied into the flat buffer, so
-        the full gradients are not held twice."""
-        flat = torch.zeros(self.numel + self.padding, dtype=wire, device=self.params[0].device)
-        for p, off in zip(self.params, self.offsets):
-            if p.grad is not None:
-                flat[off:off + p.numel()] = p.grad.reshape(-1)
+        master's .grad, in fp32; the full gradients are freed."""
+        flat, self.flat = self.flat, None
+        if flat is None:  # not prepared: gather the gradients now
+            flat = torch.zeros(self.numel + self.padding, dtype=wire, device=self.params[0].device)
+            for p, off in zip(self.params, self.offsets):
+                if p.grad is not None:
+                    flat[off:off + p.numel()] = p.grad.reshape(-1)
+        for p in self.params:
             p.grad = None
+        flat = flat.to(wire)
         if self.peers.size > 1:
             flat = comm.reduce_scatter(flat, self.peers.group, "gradients",
                                        padding=self.padding)
@@ -100,10 +116,22 @@ class ShardedAdamW:
         self.sequence_parallel = [p for p in dense if getattr(p, "sequence_parallel", False)]
         self.inner = torch.optim.AdamW([s.master for s in self.shards], lr=lr, **adamw)
 
+    def prepare_gradients(self) -> None:
+        """Before the backward pass: gradients accumulate in the flat buffers (`_Shard.prepare`)."""
+        for shard in self.shards:
+            shard.prepare()
+
     def reduce_gradients(self) -> None:
         """Summed gradients, each rank keeping its shards (collective over the groups)."""
-        if self.sequence_parallel and self.mesh.tp.size > 1:  # norms' partial sums over TP first
-            sum_gradients(self.sequence_parallel, self.mesh.tp, self.comm, self.wire)
+        sp = self.sequence_parallel
+        if sp and self.mesh.tp.size > 1:  # norms' partial sums over TP first, in place (views)
+            for p in sp:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in sp]).to(self.wire)
+            summed = self.comm.all_reduce(flat, "gradients", self.mesh.tp.group)
+            for p, g in zip(sp, summed.split([p.numel() for p in sp])):
+                p.grad.copy_(g.view_as(p))
         for shard in self.shards:
             shard.reduce_scatter(self.comm, self.wire)
 

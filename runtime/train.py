@@ -201,6 +201,8 @@ class Trainer:
             loss = self.work.loss(self.model, step, self.job.seed)
         if self.fault:
             loss = self.fault.strike(self.rank, step, loss)
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.prepare_gradients()
         with self.comm.backward():
             loss.backward()
         if isinstance(self.optimizer, ShardedAdamW):

@@ -164,7 +164,12 @@ def test_one_process_keeps_bf16_weights_with_fp32_master_and_moments():
     work = reference_work(TINY, SEVEN_BLOCKS, 1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = work.loss(model, step=0, seed=0)
+    opt.prepare_gradients()
     loss.backward()
+    flat = opt.shards[0].flat  # autograd accumulated in place: the gradients are the buffer
+    assert all(p.grad.data_ptr() >= flat.data_ptr() for p in model.parameters())
+    assert sum(float(p.grad.float().abs().sum()) for p in model.parameters()) == pytest.approx(
+        float(flat.float().abs().sum()))
     opt.reduce_gradients()
     assert all(p.grad is None for p in model.parameters())  # the full gradients are freed
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
