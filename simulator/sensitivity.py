@@ -31,12 +31,9 @@ INPUTS = {  # what-if short name -> what the report calls it
     "ib": "InfiniBand bandwidth",
     "attention": "attention efficiency",
     "reserve": "memory reserve",
+    "interference": "compute-communication interference",
 }
-NOT_MODELLED = {
-    "interference factor": "the simulator has no compute-communication interference input yet "
-                           "(overlapped collectives do not slow the kernels they hide behind), so "
-                           "there is nothing to vary",
-}
+NOT_MODELLED: dict[str, str] = {}
 
 
 @dataclass
@@ -143,6 +140,10 @@ def sensitivity(found: Search, *, axes: tuple[str, ...] | None = None,
         inputs.append(entry)
         if name == "ib" and (found.nodes == 1 or found.profile.links.infiniband is None):
             entry.skipped = "one node: nothing crosses InfiniBand"
+            continue
+        if name == "interference" and found.profile.gpu.comm_sm_share is None \
+                and found.profile.gpu.comm_hbm_traffic_ratio is None:
+            entry.skipped = "the profile has no interference figures"
             continue
         for factor in FACTORS:
             if name == "reserve" and factor not in (min(FACTORS), max(FACTORS)):

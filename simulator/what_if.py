@@ -38,6 +38,8 @@ SHORT_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attention": ("attention efficiency, forward and backward",
                   ("gpu.attention_forward_efficiency", "gpu.attention_backward_efficiency")),
     "gemm": ("GEMM efficiency", ("gpu.gemm_efficiency",)),
+    "interference": ("compute slowed beside collectives: NCCL's SM share and HBM traffic ratio",
+                     ("gpu.comm_sm_share", "gpu.comm_hbm_traffic_ratio")),
     "domain": ("GPUs per NVLink domain (node)", ("node.gpus_per_node",)),
 }
 SECTIONS = ("gpu", "node", "links")

@@ -50,14 +50,15 @@ def test_a_flip_inside_the_range_is_reported(borderline_engine, capsys):
     assert not attention["flips"]
     ib = next(i for i in sens["inputs"] if i["input"] == "ib")
     assert ib["skipped"] and not ib["outcomes"]  # one node: nothing crosses InfiniBand
-    assert "interference factor" in sens["not_modelled"]
+    interference = next(i for i in sens["inputs"] if i["input"] == "interference")
+    assert interference["outcomes"] and not sens["not_modelled"]  # varied like the others
 
 
 def test_the_text_names_the_flip(borderline_engine, capsys):
     assert main(ARGV) == 0
     out = capsys.readouterr().out
     assert "Sensitivity" in out and "flip: NVLink bandwidth +20 %" in out and "family CSBP -> CP" in out
-    assert "interference factor: not varied" in out
+    assert "compute-communication interference" in out
 
 
 def test_no_flip_on_a_clear_winner(monkeypatch, capsys):
