@@ -183,6 +183,8 @@ class Trainer:
         self.model.to(device)
         self.wire = AUTOCAST.get(job.workload.dtype, torch.float32)  # gradients travel in it
         if zero_stage(job):  # weights in the compute dtype, fp32 master + moments sharded
+            # [U] fp16 weights train without a loss scaler (none exists in the runtime): bf16 is
+            # the mixed-precision path this is built and tested for
             self.model.to(self.wire)
             self.optimizer = ShardedAdamW(self.model, self.work.mesh, self.comm, self.wire,
                                           lr=LEARNING_RATE)
