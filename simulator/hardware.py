@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from csbp.simulator.errors import InputError, one_line
+from csbp.simulator.profile_files import names_in, read_mapping
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
 
@@ -397,31 +397,12 @@ def _named_sections(annotation: Any) -> type[BaseModel] | None:
 
 def list_profiles() -> list[str]:
     """Names of the profiles shipped in `hardware_profiles/`."""
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+    return names_in(PROFILE_DIR)
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A shipped profile by name (`h100`, `h200`, ...) or any profile YAML by path."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
-            raise InputError(f"{path}: no such hardware profile file")
-        if name_or_path not in list_profiles():
-            raise InputError(f"unknown hardware profile {name_or_path!r}: use one of "
-                             f"{', '.join(list_profiles())} or a path to a YAML file")
-        path = PROFILE_DIR / f"{name_or_path}.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise InputError(f"{path}: malformed YAML: {' '.join(str(err).split())}") from None
-    except OSError as err:
-        raise InputError(f"{path}: cannot read: {err.strerror}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a text file") from None
-    except RecursionError:
-        raise InputError(f"{path}: nested too deeply to be a hardware profile") from None
-    if not isinstance(raw, dict):
-        raise InputError(f"{path}: a hardware profile must be a YAML mapping")
+    path, raw = read_mapping(name_or_path, PROFILE_DIR, "hardware profile")
     try:
         return HardwareProfile.model_validate(raw)
     except ValidationError as err:

@@ -16,11 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from csbp.simulator.errors import InputError, one_line
 from csbp.simulator.hardware import FIGURE, _unwrap
+from csbp.simulator.profile_files import names_in, read_mapping
 
 IMPLEMENTATION_DIR = Path(__file__).resolve().parent.parent / "implementations"
 DEFAULT_IMPLEMENTATION = "turbo-dllm"
@@ -143,7 +143,7 @@ class Implementation(BaseModel):
 
 
 def list_implementations() -> list[str]:
-    return sorted(p.stem for p in IMPLEMENTATION_DIR.glob("*.yaml"))
+    return names_in(IMPLEMENTATION_DIR)
 
 
 _LOADED: dict[str, Implementation] = {}
@@ -155,22 +155,7 @@ def load_implementation(name_or_path: str | Implementation) -> Implementation:
         return name_or_path
     if name_or_path in _LOADED:
         return _LOADED[name_or_path]
-    path = Path(name_or_path)
-    if not path.is_file():
-        if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
-            raise InputError(f"{path}: no such implementation file")
-        if name_or_path not in list_implementations():
-            raise InputError(f"unknown implementation {name_or_path!r}: use one of "
-                             f"{', '.join(list_implementations())} or a path to a YAML file")
-        path = IMPLEMENTATION_DIR / f"{name_or_path}.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise InputError(f"{path}: malformed YAML: {' '.join(str(err).split())}") from None
-    except (OSError, UnicodeDecodeError, RecursionError):
-        raise InputError(f"{path}: cannot read an implementation profile from it") from None
-    if not isinstance(raw, dict):
-        raise InputError(f"{path}: an implementation profile must be a YAML mapping")
+    path, raw = read_mapping(name_or_path, IMPLEMENTATION_DIR, "implementation")
     try:
         impl = Implementation.model_validate(raw)
     except ValidationError as err:
