@@ -93,6 +93,8 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibi
     """
     if not q.is_cuda:
         return attention_backward(q, k, v, vis.dense(q.device), scale, out, lse, grad_out)
+    if k.shape[2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.enable_grad():
         out_t, lse_t = flex_attention_with_lse(*inputs, vis, scale)
