@@ -213,19 +213,20 @@ def layer_memory(model: ModelSpec, layout: Layout, a: AttentionSpec, s: Sizes,
     heads = a.n_heads / tp
     if eager:
         return _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row,
-                            heads, pattern)
+                            heads, a.n_kv_heads / tp, pattern)
     return _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own,
                         row, heads, pattern, a)
 
 
 def _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row, heads,
-                 pattern) -> LayerMemory:
+                 kv_heads, pattern) -> LayerMemory:
     """runtime/model.py + runtime/attention.py as autograd runs them (module docstring)."""
     dt, batch = s.dt, s.batch
     qw = q_width * unit
-    # attn_norm keeps x*rsqrt and its output (the q/k/v GEMMs' input); RoPE keeps q and k (its
-    # products read halves of them) and the rotated q (the score matmul reads it in place)
-    pre = {"saved": 2 * hid + 2 * qw + gate * unit + kv_w * unit}
+    # attn_norm keeps x*rsqrt and its output (the q/k/v GEMMs' input), the score matmul the
+    # rotated q (in place: its broadcast over K/V heads is a view); RoPE keeps only its tables
+    # (its products with cos/sin need no input saved: the tables do not require grad)
+    pre = {"saved": 2 * hid + qw + gate * unit}
     calls = [("attn.local", positions)]
     if pattern in ("all-gather", "all-to-all"):
         calls.append(("attn.remote", received))
@@ -233,20 +234,28 @@ def _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, receive
     scores_of = {name: batch * heads * positions * keys * dt for name, keys in calls}
     kept = {"saved": 0.0, "scores": 0.0, "kv": 0.0, "masks": 0.0}
     forward, kept_after = [], []
+    # The score and output matmuls broadcast K and V over the query heads of their group and
+    # flatten the batch dims: a view when there is one group per call (batch x K/V heads = 1)
+    # or one query head per K/V head, else a copy of K and of V at query width (torch.matmul's
+    # expand + reshape), which autograd keeps instead of the K/V themselves
+    copies = heads > kv_heads and batch * kv_heads > 1
     for name, keys in calls:
-        kcopy = batch * keys * q_width * dt / s.tp  # K (and V) expanded to the query heads
+        if copies:
+            kv_kept = 2 * batch * keys * q_width * dt / s.tp
+        else:  # views of the rank's own K/V (local) or of the received buffer (remote)
+            kv_kept = 2 * kv_w * unit if name == "attn.local" else received * row
         scores = scores_of[name]
         if name == "attn.remote":  # the gathered rows arrive: send buffer, gather slots, rows
             exchange = (2 * kv_w * unit + own * row * (own > 0)
                         + (received + own) * row + received * row)
             forward.append(("kv.gather", _merge(pre, kept), {"comm": exchange}))
         mask = positions * keys  # ~allowed, bool, saved by masked_fill
-        during = _merge(pre, kept, {"kv": kcopy, "masks": mask})
+        during = _merge(pre, kept, {"kv": kv_kept, "masks": mask})
         extra = {"scores": 3 * scores}  # masked scores, scores - max, exp: at the exp
-        if name == "attn.remote":
-            extra["comm"] = received * row  # the received rows until the call returns
+        if name == "attn.remote" and copies:
+            extra["comm"] = received * row  # the received rows, until the call returns
         forward.append((name, during, extra))
-        kept = _merge(kept, {"kv": 2 * kcopy, "masks": mask, "scores": scores,
+        kept = _merge(kept, {"kv": kv_kept, "masks": mask, "scores": scores,
                              "saved": qw * (2 if merged else 1)})  # e@v (and out, for the merge)
         kept_after.append(_merge(pre, kept))
     attn = _merge(pre, kept, {"saved": qw})  # the attention output, copied for the out GEMM
