@@ -198,13 +198,27 @@ def loss_bytes(model: ModelSpec, loss_tokens: int, vocab_block: int | None, dtyp
     return loss_chunk_tokens(loss_tokens, vocab, model.hidden) * vocab * dtype_bytes
 
 
+_ESTIMATES: dict[tuple, tuple[ModelSpec, HardwareProfile, MemoryEstimate]] = {}
+
+
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                     profile: HardwareProfile) -> MemoryEstimate:
-    """Every rank's peak from one walk of the step (`memory_timeline.walk`)."""
+    """Every rank's peak from one walk of the step (`memory_timeline.walk`). Kept for the
+    last plans asked: a search asks again for the same plan at each placement of its group,
+    which changes links, not bytes."""
+    key = (id(model), id(profile), workload, plan.dp, plan.tp, plan.ep, plan.cp, plan.bp,
+           plan.transport, plan.schedule)
+    hit = _ESTIMATES.get(key)
+    if hit is not None and hit[0] is model and hit[1] is profile:
+        return hit[2]
     tl = step_timeline(model, workload, plan, layout, profile)
     peaks, where = tl.peaks()
-    return MemoryEstimate(peaks / GIB, profile.gpu.memory_gib, profile.gpu.reserved_gib,
-                          profile.gpu.allocator_overhead or 0.0, tl, where)
+    est = MemoryEstimate(peaks / GIB, profile.gpu.memory_gib, profile.gpu.reserved_gib,
+                         profile.gpu.allocator_overhead or 0.0, tl, where)
+    if len(_ESTIMATES) > 2048:
+        _ESTIMATES.clear()
+    _ESTIMATES[key] = (model, profile, est)
+    return est
 
 
 def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,

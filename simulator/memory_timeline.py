@@ -89,7 +89,6 @@ class Timeline:
         the moments' group incidence with the groups' sums."""
         index: dict[int, int] = {}
         sums: list[np.ndarray | float] = []
-        incidence = np.zeros((len(self.moments), 0))
         rows: list[list[int]] = []
         for groups in self.groups:
             row = []
@@ -97,9 +96,15 @@ class Timeline:
                 k = index.get(id(g))
                 if k is None:
                     k = index[id(g)] = len(sums)
-                    total = 0.0
+                    numbers, arrays = 0.0, []
                     for v in g.values():
-                        total = total + v
+                        if isinstance(v, np.ndarray):
+                            arrays.append(v)
+                        else:
+                            numbers += v
+                    total = numbers
+                    for v in arrays:
+                        total = v + total
                     sums.append(total)
                 row.append(k)
             rows.append(row)
@@ -474,9 +479,11 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
     def rename(d: dict, saved_as: str) -> dict:
         return {(saved_as if k == "saved" else k): v for k, v in d.items()}
 
-    # forward: the last layer of each kind holds the most (everything below it is stored)
+    # forward: the last layer of each kind holds the most (everything below it is stored).
+    # Under full checkpointing a layer's forward holds what its recompute holds, less the
+    # gradients and the incoming gradient the recompute has beside it: never the peak, skipped.
     own_input = {stored_name: hid}
-    for a in sorted(kinds, key=lambda a: last[a]):
+    for a in ([] if checkpointing else sorted(kinds, key=lambda a: last[a])):
         i, mem = last[a], kinds[a]
         below = stored_before(i)
         for op, during, extra in mem.forward:
