@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     log.print(f"mapped {found.cells} cells in {seconds:.1f} s ({jobs} jobs)", highlight=False)
     if args.json:
         print_json({"model": model_name, "hardware": profile.name, "engine": args.engine,
-                    "what_if": what_if.to_json(), "reading": reading,
+                    "what_if": what_if.to_json(), "implementation": what_if.profile.implementation,
+                    "reading": reading,
                     "cells": df.astype(object).where(df.notna(), None).to_dict("records"),
                     "files": [str(f) for f in files]})
         return 0

@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
                                                  map_table(answers, profile.name))
     if args.json:
         print_json({"rows": df.astype(object).where(df.notna(), None).to_dict("records"),
-                    "files": [str(f) for f in files], "what_if": what_if.to_json()})
+                    "files": [str(f) for f in files], "what_if": what_if.to_json(),
+                    "implementation": what_if.profile.implementation})
         return 0
     out = console()
     out.print(_winners(df))
