@@ -72,11 +72,12 @@ class AttentionOps:
         total = self.derived(("pairs", window), lambda: pairs.totals(lay, window)).astype(float)
         if pattern == "none":
             return [("attn", total, self.positions)]
-        queries = [QueryIntervals.of(lay, r, window) for r in range(self.n)]
+        if pattern != "ring" and cut == "whole":
+            return [("attn", total, self.positions + kv_rows.received(lay, a, "forward").astype(float))]
+        queries = self.derived(("query-intervals", window),
+                               lambda: [QueryIntervals.of(lay, r, window) for r in range(self.n)])
         if pattern != "ring":
             received = kv_rows.received(lay, a, "forward").astype(float)
-            if cut == "whole":
-                return [("attn", total, self.positions + received)]
             if cut == "noisy-prefix":
                 own = [self.noisy_spans(r) for r in range(self.n)]
                 block = np.array([queries[r].pairs_with(own[r]) for r in range(self.n)], dtype=float)
@@ -213,8 +214,8 @@ class AttentionOps:
         split = self.split(a, pattern, cut)
         name = split[part][0]
         call = "ring" if name.startswith("attn.ring") else name.removeprefix("attn.")
-        if self.keys_at_home:  # the bound: the fastest kernel and the fewer tiles
-            kernel, pack = "best", "auto"
+        if self.keys_at_home:  # the bound: the fastest kernel the phase runs, the fewer tiles
+            kernel, pack = "|".join(sorted(set(self.facts(phase).kernels.values()))), "auto"
         else:
             facts = self.facts(phase)
             kernel, pack = facts.kernel(call), facts.packs(call)

@@ -22,7 +22,10 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    and pass over all the rank's pairs, no K/V transfers. The plan's real calls split the same
    pairs (local and remote keys, or one part per ring step) into calls over fewer keys per
    query, and a profile's attention efficiency that never falls as tiles grow runs each part at
-   most as efficiently as the whole, so the parts take at least as long; the LSE merges and K/V
+   most as efficiently as the whole, so the parts take at least as long; the whole runs on the
+   fastest kernel family the implementation uses in that pass and packs GQA heads into query
+   tiles or not, whichever computes fewer tiles (a sub-set of keys never needs fewer tiles than
+   it covers, nor a full tile where the whole has a partial one); the LSE merges and K/V
    packing it leaves out take time >= 0, and it makes no more kernel calls. On a profile whose
    attention curves fall somewhere, or whose attention is priced as dense (CPU) math, the
    quick bound keeps the real split. Without it the bound has the plan's own calls and K/V

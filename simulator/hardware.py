@@ -151,9 +151,12 @@ class GPU(BaseModel):
 
     def kernel_factor(self, family: str, backward: bool) -> float:
         """Speed of a kernel family relative to the curves; `best` is the fastest this GPU lists,
-        and a GPU listing none (a CPU host) runs everything at its curves."""
+        `a|b` the faster of a and b, and a GPU listing none (a CPU host) runs everything at its
+        curves."""
         if not self.attention_kernels:
             return 1.0
+        if "|" in family:  # any of these (a lower bound's call stands for calls of each)
+            return max(self.kernel_factor(f, backward) for f in family.split("|"))
         if family == "best":
             return max(k.backward_factor if backward else k.forward_factor
                        for k in self.attention_kernels.values())

@@ -313,7 +313,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
-    space = enumerate_space(model, workload, gpus, checkpointing, axes, profile.node.gpus_per_node)
+    space = enumerate_space(model, workload, gpus, checkpointing, axes)
     with Workers(workers) as pool:
         found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool)
     found.seconds = time.perf_counter() - start
@@ -350,7 +350,13 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         picks = _to_rescore(screened, des_top)
         rescored = sorted((r for _, r in evaluate([screened[i][0] for i in picks], engine)),
                           key=rank_key)
-        evaluations += len(picks)
+        # where the context group sits, tried for every plan the engine re-scored (the reported
+        # ones: the top, the baseline, each family's best): striped over the nodes or not
+        variants = [Candidate(c.plan.model_copy(update={"placement": where}), c.workload)
+                    for c in (screened[i][0] for i in picks)
+                    for where in placements(c.plan, cluster_gpus(profile, nodes), profile.node.gpus_per_node)[1:]]
+        rescored = sorted(rescored + [r for _, r in evaluate(variants, engine)], key=rank_key)
+        evaluations += len(picks) + len(variants)
         picked = set(picks)
         ranked = rescored + [r for i, (_, r) in enumerate(screened) if i not in picked]
     infeasible = space.groups()
