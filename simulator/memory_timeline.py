@@ -500,20 +500,19 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
                     key=lambda x: -x[0])
     recomputed = {a: [(op, rename(during, "layer"), extra) for op, during, extra in m.forward]
                   for a, m in kinds.items()} if checkpointing else {}
+    # each kind's backward buffers, renamed once (a kind is visited at two layers)
+    backwards = {a: [(m.backward[0][0], rename(_merge(m.attn_saved, m.mlp_saved), layer_name),
+                      m.backward[0][2])]
+                 + [(op, rename(m.attn_saved if still is None else still, layer_name), extra)
+                    for op, still, extra in m.backward[1:]] for a, m in kinds.items()}
     for i, a in visits:
-        mem = kinds[a]
         grads = grads_after(i) + (weights.bucket if zero >= 2 else 0.0)
         below = stored_before(i)
         here = {stored_name: hid, "grads": grads, "transient": hid}
         for op, during, extra in recomputed.get(a, ()):
             tl.at(Moment("recompute", op, i), fixed, below, here, during, extra)
-        whole = rename(_merge(mem.attn_saved, mem.mlp_saved), layer_name)
-        mlp_op, _, mlp_extra = mem.backward[0]
-        tl.at(Moment("backward", mlp_op, i), fixed, below, here, whole, mlp_extra)
-        attn = rename(mem.attn_saved, layer_name)
-        for op, still, extra in mem.backward[1:]:
-            tl.at(Moment("backward", op, i), fixed, below, here,
-                  attn if still is None else rename(still, layer_name), extra)
+        for op, layer, extra in backwards[a]:
+            tl.at(Moment("backward", op, i), fixed, below, here, layer, extra)
     all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
     if zero >= 2:
         all_grads = weights.grads
