@@ -15,7 +15,7 @@ TITLE = "256K context on 2 x 8 H200: baseline (no BP) vs the planner's best"
 ASSUMPTIONS = (
     "recipes of workloads.md: block 256, batch 1 per replica, ZeRO-2, bf16; checkpointing chosen "
     "by the planner (full or none)",
-    "objective per preset: BD3-LM for Nemotron-Labs-Diffusion, Fast-dLLM v2 (two 2L views) for the "
+    "objective per preset: BD3-LM for Nemotron-Labs-Diffusion, Fast-dLLM v2 (two 2L views as two rows of one pass) for the "
     "Qwen3.5/3.8 conversions, DiffusionGemma native SFT with self-conditioning 0.5 as its expectation",
     "hardware: h200 profile (datasheet and public NCCL/FA3 figures; not calibrated on the cluster)",
     "implementation: turbo-dllm (what the reference framework executes: Flex for CP, FA4 for "
