@@ -17,8 +17,7 @@ is a handful of prefix-sum reads, never the n^2 mask.
 Approximations [U]: key tiles are laid on logical positions (0..2L in steps of the tile), as they
 are for a call over the whole sequence in logical order; a call over packed shards (received
 rows, owner-major clean K/V) has its tile edges elsewhere, which moves a few tiles per shard
-between full and partial. Query tiles do not straddle the rank's spans (a kernel over a packed
-buffer would run one partial tile less per span edge).
+between full and partial. Query tiles run over the rank's packed query buffer (`_query_tiles`).
 """
 
 from __future__ import annotations
@@ -33,36 +32,53 @@ def tile_counts(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int,
                 window: int | None, q_rows: int, k_tile: int) -> tuple[int, int]:
     """(full, partial) tiles of queries `queries` over the keys `keys` of one call, `q_rows`
     query positions per tile (fewer than the tile's rows when GQA heads are packed into it)."""
-    first, last = _query_tiles(queries, seq_len, q_rows)
-    if first.size == 0 or not keys:
+    if not keys:
         return 0, 0
     counter = _KeyTiles(normalize(keys), 2 * seq_len, k_tile)
     touched = full = 0
-    for (some_a, some_z), (every_a, every_z) in _tile_runs(first, last, seq_len, block, window):
-        touched += int(counter.touched(some_a, some_z).sum())
-        full += int(counter.full(every_a, every_z).sum())
+    for q, at in _query_tiles(queries, seq_len, q_rows):
+        for (some_a, some_z), (every_a, every_z) in _tile_runs(q, at, seq_len, block, window):
+            touched += int(counter.touched(some_a, some_z).sum())
+            full += int(counter.full(every_a, every_z).sum())
     return full, touched - full
 
 
-def _tile_runs(first: np.ndarray, last: np.ndarray, seq_len: int, block: int, window: int | None):
+def _query_tiles(queries: tuple[Span, ...], seq_len: int, q_rows: int):
+    """Per side (noisy, clean): the side's query positions in buffer order and the index of each
+    tile's first one. The kernel runs over the rank's packed query buffer, so a tile takes the
+    next `q_rows` positions whatever span they come from (many short spans, such as a drafter's
+    anchor blocks, share tiles instead of each padding its own); the two sides are cut apart, as
+    their queries see different kinds of keys."""
+    for lo, hi in ((0, seq_len), (seq_len, 2 * seq_len)):
+        side = tuple((max(a, lo), min(z, hi)) for a, z in queries if min(z, hi) > max(a, lo))
+        if side:
+            q = mask.span_positions(side)
+            yield q, np.arange(0, q.size, q_rows)
+
+
+def _tile_runs(q: np.ndarray, at: np.ndarray, seq_len: int, block: int, window: int | None):
     """Per run of keys (own block, clean prefix): the keys some query of each tile sees and the
     keys every query sees, as [start, stop) per tile.
 
-    Without a window a run is never empty except the whole prefix of a block-0 or clean query,
-    which sits at an end, so the tile's first and last query decide. A window can empty a noisy
-    query's prefix in the middle of a tile, so then every query is read and reduced per tile.
+    Where every tile's queries are consecutive positions and there is no window, a run is never
+    empty except the whole prefix of a block-0 or clean query, which sits at an end, so the
+    tile's first and last query decide. Otherwise (a window can empty a noisy query's prefix in
+    the middle of a tile; a tile can hold queries of distant blocks) every query is read and
+    reduced per tile, and the keys some query sees are taken as one run from the first to the
+    last seen: a tile in a gap between two blocks' runs counts as touched (full tiles stay exact;
+    a drafter's tile of 8 anchor blocks 128 positions apart counts about 8 key tiles too many
+    against hundreds in its prefix) [U].
     """
-    if window is None:
-        own_f, pre_f = mask.visible_intervals(first, seq_len, block, window)
-        own_l, pre_l = mask.visible_intervals(last, seq_len, block, window)
+    last = np.append(at[1:], q.size) - 1
+    first_q, last_q = q[at], q[last]
+    if window is None and (last_q - first_q == last - at).all():
+        own_f, pre_f = mask.visible_intervals(first_q, seq_len, block, window)
+        own_l, pre_l = mask.visible_intervals(last_q, seq_len, block, window)
         return [((f[0], l[1]), (l[0], f[1])) for f, l in ((own_f, own_l), (pre_f, pre_l))]
-    sizes = last - first + 1
-    q = np.repeat(first, sizes) + (np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes))
-    at = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     out = []
+    big = np.iinfo(np.int64).max
     for a, z in mask.visible_intervals(q, seq_len, block, window):
         empty = z <= a
-        big = np.iinfo(np.int64).max
         some_a = np.minimum.reduceat(np.where(empty, big, a), at)
         some_z = np.maximum.reduceat(np.where(empty, -1, z), at)
         every_a = np.maximum.reduceat(a, at)
@@ -83,20 +99,6 @@ def tiles_aligned(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: in
         return False
     return all(a % q_rows == 0 and z % q_rows == 0 for a, z in queries) and \
         all(a % k_tile == 0 and z % k_tile == 0 for a, z in keys)
-
-
-def _query_tiles(queries: tuple[Span, ...], seq_len: int, q_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """First and last query position of every query tile (spans cut at the noisy/clean border)."""
-    starts, stops = [], []
-    for a, z in queries:
-        for lo, hi in ((a, min(z, seq_len)), (max(a, seq_len), z)):
-            if hi > lo:
-                s = np.arange(lo, hi, q_rows, dtype=np.int64)
-                starts.append(s)
-                stops.append(np.minimum(s + q_rows, hi) - 1)
-    if not starts:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(starts), np.concatenate(stops)
 
 
 class _KeyTiles:
