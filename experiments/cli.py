@@ -38,10 +38,11 @@ def run(args: argparse.Namespace) -> int:
     studies = [load(n) for n in (STUDIES if args.name == "all" else [args.name])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from csbp.simulator.implementation import load_implementation
+    from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, load_implementation
 
-    load_implementation(args.implementation)  # bad input: one line before any study runs
-    runner = Runner(workers=args.jobs, implementation=args.implementation)
+    implementation = getattr(args, "implementation", DEFAULT_IMPLEMENTATION)
+    load_implementation(implementation)  # bad input: one line before any study runs
+    runner = Runner(workers=args.jobs, implementation=implementation)
     sections, begin = [], time.perf_counter()
     for study in studies:
         start = time.perf_counter()
