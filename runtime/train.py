@@ -255,6 +255,10 @@ class Trainer:
                     self._maybe_save(step + 1)
         except Exception as err:  # noqa: BLE001 - every failure names its rank and step
             raise RankFailure(self.rank, step, err) from err
+        finally:  # a job of fewer optimizer steps than it tracks must not leave it running
+            from csbp.runtime import memory_tracker
+
+            memory_tracker.stop()
         return self._report(losses, times)
 
     def _maybe_save(self, done: int) -> None:
