@@ -19,6 +19,7 @@ import numpy as np
 
 from csbp.simulator import kv_rows, memory_timeline
 from csbp.simulator.hardware import HardwareProfile
+from csbp.simulator.implementation import load_implementation
 from csbp.simulator.layout import Layout
 from csbp.simulator.objectives import objective_shape
 from csbp.simulator.plan import Plan
@@ -230,8 +231,9 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     batch = mb * rows
     tokens = kv_rows.held(layout, "positions") * batch
     noisy = kv_rows.held(layout, "noisy") * batch
+    family = load_implementation(profile.implementation).family(layout.kind, plan.transport)
     sizes = memory_timeline.Sizes(tokens=tokens, noisy=noisy, hidden=tokens * model.hidden * dt / tp,
-                                  dt=dt, tp=tp, batch=batch)
+                                  dt=dt, tp=tp, batch=batch, family=family)
     eager = bool(profile.gpu.dense_attention)
     weights = memory_timeline.weight_state(model, workload.zero_stage, dt, plan,
                                            obj.frozen_embeddings, obj.frozen_router)

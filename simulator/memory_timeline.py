@@ -143,6 +143,9 @@ class Sizes:
     dt: int
     tp: int
     batch: int  # sequences in one call (micro-batch x rows per example)
+    # what the framework runs for this plan family (implementation.py): its copies around the
+    # K/V exchange are buffers too; None = the reference implementation's (implementation.md)
+    family: object | None = None
 
 
 @dataclass
@@ -295,8 +298,10 @@ def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions,
     forward, kept = [], {"kv": 0.0}
     if pattern == "all-gather":
         gathered = (received + own) * row  # the whole exchange's K and V (CP: 2L, CSBP: L)
-        reorder = layout.plan.bp == 1  # CP copies them into logical order, keeps the copies
-        forward.append(("kv.gather", pre, {"comm": gathered * (2 if reorder else 1)}))
+        # a reorder copy (CP: into logical order, kept for backward) is a second buffer of them;
+        # further passes replace it, so at most two are live
+        passes = s.family.forward.copy_passes if s.family is not None else (1 if layout.plan.bp == 1 else 0)
+        forward.append(("kv.gather", pre, {"comm": gathered * (1 + min(passes, 1))}))
         kept = {"kv": gathered}
     elif pattern == "all-to-all":
         kept = {"kv": received * row}
@@ -317,7 +322,8 @@ def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions,
     if pattern in ("all-gather", "all-to-all"):
         # CP: concatenation, index_select and a copy into the send buffer (section 1); CSBP
         # writes straight into the reduce-scatter buffer (section 2)
-        copies = 2 if layout.plan.bp == 1 else 1
+        passes = s.family.backward.copy_passes if s.family is not None else (3 if layout.plan.bp == 1 else 0)
+        copies = 2 if passes else 1  # the send buffer, and one copy beside it while copying
         backward.append(("dkv.scatter", None, {"dkv": dkv + copies * (received + own) * row}))
     return LayerMemory(attn, mlp, forward, backward)
 

@@ -179,3 +179,15 @@ def test_reserved_and_allocator_count_against_capacity(h200):
     assert est.rank(0)["allocator"] == pytest.approx(est.allocated[0] * h200.gpu.allocator_overhead)
     assert est.peak_gib == pytest.approx(max(est.totals_gib))
     assert est.feasible and est.reason is None
+
+
+def test_the_implementations_copies_are_buffers_too():
+    """Turbo-dLLM's CP keeps a reorder copy of the gathered K/V beside them (implementation.md
+    section 1); an implementation without the copy holds one buffer at the gather."""
+    h200 = load_profile("h200")
+    plan = Plan(dp=2, cp=8)
+    at = {}
+    for impl in ("turbo-dllm", "ideal"):
+        tl = timeline(plan, h200.model_copy(update={"implementation": impl}))
+        at[impl] = _part(tl, _at(tl, "recompute", "kv.gather", 0), "comm")
+    assert at["turbo-dllm"] == pytest.approx(2 * at["ideal"]) and at["ideal"] > 0
