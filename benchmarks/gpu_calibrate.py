@@ -30,6 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the kit's own modules
+import kernel_bench as kb  # noqa: E402
+
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 4096, 32, 8, 128, 14336, 131072
 TOKENS = (1024, 2048, 4096, 8192, 16384)
 TILES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -44,19 +47,8 @@ def log(msg: str) -> None:
 
 
 def cuda_seconds(fn, repeats: int = 20, warmup: int = 3) -> float:
-    """Median seconds of `fn()` on the GPU, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    """Median seconds of `fn()` on the GPU, timed with CUDA events (the kit's own timer)."""
+    return kb.device_seconds(fn, torch.device("cuda"), repeats, warmup)
 
 
 def gemm_points() -> list[tuple[float, float, str]]:
