@@ -39,10 +39,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _share(nbytes: int, size: int) -> int:
-    """(P-1)/P of a buffer: what each member of a ring all-gather or reduce-scatter receives.
-    Exact for equal shards; rounded to the byte (as the graph's counts are) for padded ones."""
-    return round((size - 1) * nbytes / size)
+def _share(nbytes: int, size: int, passes: int = 1) -> int:
+    """(P-1)/P of a buffer per ring pass: what each member of a ring all-gather or reduce-scatter
+    (one pass) or all-reduce (two) receives, on average over the members. Exact for equal shards;
+    otherwise rounded to the byte, as the graph's counts are (a 4-byte loss over 16 ranks moves
+    7.5 bytes a member on average: 8, not the 7 a floor would give)."""
+    return round(passes * (size - 1) * nbytes / size)
 
 
 class CollectiveError(RuntimeError):
@@ -161,7 +163,7 @@ class Comm:
             with _calling("all_reduce"):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
                                 group=group)
-            volume = 2 * (size - 1) * _nbytes(t) // size
+            volume = _share(_nbytes(t), size, passes=2)
             self._count(category, volume, volume)
         return t
 

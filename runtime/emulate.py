@@ -29,7 +29,7 @@ from unittest import mock
 
 import torch
 
-from csbp.runtime.comm import Comm
+from csbp.runtime.comm import Comm, _share
 from csbp.runtime.mesh import coordinates
 from csbp.simulator.errors import InputError
 
@@ -156,7 +156,7 @@ class LocalComm(Comm):
         size = len(self._members(group))
         before = self._snapshot(category)
         if size > 1:
-            volume = 2 * (size - 1) * _nbytes(t) // size
+            volume = _share(_nbytes(t), size, passes=2)
             self._count(category, volume, volume)
         self._record("all_reduce", category, None, before)
         return t
@@ -164,11 +164,6 @@ class LocalComm(Comm):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _share(nbytes: int, size: int) -> int:
-    """(P-1)/P of a buffer, rounded to the byte: what `Comm` counts for a ring collective."""
-    return round((size - 1) * nbytes / size)
 
 
 def _repeated(shape: tuple[int, ...], source: torch.Tensor) -> torch.Tensor:

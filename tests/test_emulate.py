@@ -195,3 +195,17 @@ def test_bad_input_is_one_line_and_exit_2(flags, says, capsys):
     assert cli.main([*SMALL, *flags]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_of_a_16_rank_plan_counts_every_collective_as_predicted(capsys):
+    """The step's loss all-reduce over 16 ranks moves 2 x 15/16 x 4 = 7.5 bytes a member: the
+    comm layer and the step graph round that volume the same way (it once floored it to 7)."""
+    argv = ["run", "--model", "tiny", "--seq-len", "1024", "--block-size", "64", "--plan",
+            "dp=2,cp=8,bp=8", "--emulate-rank", "3", "--layers", "1", "--hardware", "h200", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["collective_bytes_match"], [c for c in out["collectives"]
+                                           if c["emulated_bytes"] != c["predicted_bytes"]]
+    loss = [c for c in out["collectives"] if c["category"] == "other"]
+    assert [c["emulated_bytes"] for c in loss] == [8]
