@@ -93,7 +93,7 @@ def job_from_args(args: argparse.Namespace):
     from csbp.simulator import planfile
     from csbp.runtime.model import check_supported
     from csbp.runtime.plans import check_supported as check_plan_supported
-    from csbp.runtime.train import Job
+    from csbp.runtime.train import RUNTIME_IMPLEMENTATION, Job
 
     if is_plan_file(args.plan):
         pf = planfile.load(args.plan)
@@ -101,7 +101,7 @@ def job_from_args(args: argparse.Namespace):
     else:
         inputs = inputs_from_args(args)
         model, workload, plan = inputs.model, inputs.workload, plan_from_args(args)
-    plan.check_against(model, workload)
+    plan.check_against(model, workload, implementation=RUNTIME_IMPLEMENTATION)  # plan_rules.py
     check_supported(model)
     check_plan_supported(model, workload, plan)
     if workload.objective != "bd3lm":

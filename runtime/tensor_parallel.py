@@ -37,11 +37,6 @@ import torch.nn.functional as F
 from csbp.runtime.comm import Comm, wire_dtype
 from csbp.runtime.model import MoE, BlockDiffusionLM
 from csbp.runtime.mesh import Peers
-from csbp.simulator.errors import InputError
-from csbp.simulator.layout import Layout
-from csbp.simulator.plan import Plan
-from csbp.simulator.spans import intersect, size
-from csbp.simulator.spec import ModelSpec
 
 TP = "tp"
 
@@ -174,30 +169,6 @@ def sequence_order(positions: torch.Tensor, seq_len: int, tp: int) -> torch.Tens
     noisy, clean = positions[positions < seq_len], positions[positions >= seq_len]
     runs = zip(noisy.tensor_split(tp), clean.tensor_split(tp))
     return torch.cat([torch.cat(pair) for pair in runs])
-
-
-def check_supported(spec: ModelSpec, layout: Layout, plan: Plan) -> None:
-    """What the runtime's TP needs beyond the simulator's rules, as one-line input errors."""
-    tp = plan.tp
-    if tp == 1:
-        return
-    for i, a in enumerate(spec.layers):
-        if a.n_kv_heads % tp:
-            raise InputError(f"tp={tp} does not divide the {a.n_kv_heads} K/V heads of layer {i}: "
-                             "the runtime splits K/V heads over TP and does not replicate them")
-    widths = {"the vocabulary": spec.vocab,
-              "the FFN width": spec.moe.dense_ffn if spec.moe else spec.ffn}
-    for what, width in widths.items():
-        if width % tp:
-            raise InputError(f"tp={tp} does not divide {what} ({width})")
-    L = layout.seq_len
-    for share in layout.shares:
-        noisy = size(intersect(share.positions, ((0, L),)))
-        clean = share.n_positions - noisy
-        if noisy % tp or clean % tp:
-            raise InputError(f"tp={tp} does not divide context rank {share.rank}'s {noisy} noisy "
-                             f"and {clean} clean positions (sequence parallelism splits each "
-                             "evenly): use a block size and seq-len with more factors of 2")
 
 
 def _gather_input(tp: TensorParallel, module, args):

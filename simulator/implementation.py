@@ -98,6 +98,9 @@ class Implementation(BaseModel):
     name: str
     notes: str
     families: dict[str, Family] = Field(default_factory=dict)
+    # beyond the strict shape rules (plan_rules.py): TP over a multiple of a layer's K/V heads,
+    # each K/V head copied on tp / kv ranks; false (the default): TP must divide the K/V heads
+    tp_replicates_kv_heads: _Bool = False
     sources: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -108,7 +111,8 @@ class Implementation(BaseModel):
         if "sources" in data:
             raise ValueError("sources is filled from the {value, source} facts; do not write it")
         sources: dict[str, str] = {}
-        out = dict(data)
+        # top-level facts (tp_replicates_kv_heads); families are unwrapped pass by pass below
+        out = data | _unwrap(cls, {k: v for k, v in data.items() if k != "families"}, "", sources)
         families = data.get("families")
         if isinstance(families, dict):
             out["families"] = {

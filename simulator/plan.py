@@ -3,18 +3,23 @@
 The rules are those of the reference implementation (shared/reference/workloads.md):
 world = dp * tp * ep * max(cp, bp); fused CP/BP needs bp >= cp and bp % cp == 0; cp alone is the
 CP baseline over the 2L sequence; cp = 1, bp > 1 is pure BP with a replicated clean prefix.
-Each violated rule is reported by name, in one line.
+Each violated rule is reported by name, in one line. What frameworks need of the model's shapes
+beyond the method (TP divides the heads, EP the experts, ...) is plan_rules.py's, checked last.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from csbp.simulator import plan_rules
 from csbp.simulator.errors import InputError, one_line
 from csbp.simulator.spec import ModelSpec
 from csbp.simulator.workload import Workload
+
+if TYPE_CHECKING:
+    from csbp.simulator.implementation import Implementation
 
 Transport = Literal["collective", "ring"]
 Schedule = Literal["dual-end", "contiguous"]
@@ -93,22 +98,18 @@ class Plan(BaseModel):
         parts = [f"{a}={v}" for a, v in self.axes().items() if v > 1]
         return ",".join(parts) or "dp=1"
 
-    def check_against(self, model: ModelSpec, workload: Workload, world: int | None = None) -> None:
-        """Rules that need the model and workload; raises InputError naming the rule."""
+    def check_against(self, model: ModelSpec, workload: Workload, world: int | None = None,
+                      implementation: "str | Implementation | None" = None) -> None:
+        """Rules that need the model and workload; raises InputError naming the rule.
+
+        The method's rules here, then the shape rules every framework needs (plan_rules.py: TP
+        divides the heads, EP the experts, ...), which `implementation` may relax where its
+        profile says it goes beyond them; None keeps them strict."""
         check_size(workload, self.ctx)
         if world is not None and self.world != world:
             raise InputError(
                 f"world = dp*tp*ep*max(cp,bp) = {self.dp}*{self.tp}*{self.ep}*{self.ctx} = "
                 f"{self.world}, but the cluster has {world} GPUs")
-        if self.ep > 1 and not model.is_moe:
-            raise InputError(f"ep={self.ep} needs a MoE model; {model.name} is dense")
-        if model.moe and model.moe.n_experts % self.ep:
-            raise InputError(f"ep={self.ep} does not divide the {model.moe.n_experts} experts")
-        for layer in model.layers:
-            if layer.kind != "linear" and layer.n_heads % self.tp:
-                raise InputError(f"tp={self.tp} does not divide {layer.n_heads} attention heads")
-            if layer.kind == "linear" and layer.n_kv_heads % self.tp:
-                raise InputError(f"tp={self.tp} does not divide {layer.n_kv_heads} linear-attention key heads")
         L, b = workload.seq_len, workload.block_size
         if self.kind == "cp" and L % self.cp:
             raise InputError(f"CP zigzag needs seq-len divisible by cp (2L into 2*cp chunks): "
@@ -118,6 +119,7 @@ class Plan(BaseModel):
         if self.bp > workload.n_blocks:
             raise InputError(f"bp={self.bp} exceeds the {workload.n_blocks} blocks of seq-len {L} / "
                              f"block-size {b}: some ranks would own no block")
+        plan_rules.check(model, workload, self, implementation)
 
 
 def check_size(workload: Workload, ctx: int = 1) -> None:

@@ -26,6 +26,7 @@ from functools import partial
 from itertools import product
 from typing import get_args
 
+from csbp.simulator import plan_rules
 from csbp.simulator.bounds import bound_key, keys_at_home_is_cheapest, lower_bounds
 from csbp.simulator.errors import InputError
 from csbp.simulator.hardware import HardwareProfile
@@ -156,13 +157,16 @@ def placements(plan: Plan, gpus: int, gpus_per_node: int | None) -> tuple[str, .
 
 def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
                     checkpointing: tuple[str, ...] = get_args(Checkpointing),
-                    axes: tuple[str, ...] = AXES, gpus_per_node: int | None = None) -> Space:
+                    axes: tuple[str, ...] = AXES, gpus_per_node: int | None = None,
+                    implementation: str | None = None) -> Space:
     """Every (dp, tp, ep, cp, bp) with dp*tp*ep*max(cp, bp) == gpus, times the choices that matter.
 
     Transport only changes plans that exchange clean K/V (cp > 1); the block schedule only changes
     plans that own noisy blocks (bp > 1); elsewhere the default stands in, so no two candidates
     are the same computation. Axes left out of `axes` stay at degree 1. With `gpus_per_node`
-    the context group's placement is searched too (`placements`).
+    the context group's placement is searched too (`placements`). A plan that breaks a rule of
+    the method or a shape rule of `implementation` (plan_rules.py; None: the strict rules) is
+    rejected with the rule's line, as `csbp simulate` and `csbp run` refuse it.
     """
     space = Space([], {})
     divisors = _divisors(gpus)
@@ -174,7 +178,7 @@ def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
         label = ",".join(f"{a}={v}" for a, v in degrees.items() if v > 1) or "dp=1"
         try:
             plan = Plan(**degrees)
-            plan.check_against(model, workload, gpus)
+            plan.check_against(model, workload, gpus, implementation)
         except InputError as err:
             space.reject(label, str(err), rule=True)
             continue
@@ -183,6 +187,14 @@ def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
             continue
         transports = get_args(Transport) if plan.cp > 1 else (plan.transport,)
         schedules = get_args(Schedule) if plan.bp > 1 else (plan.schedule,)
+        # the schedule moves noisy blocks between ranks: the positions rule is read again
+        broken = {s: plan_rules.violation(model, workload, plan.model_copy(update={"schedule": s}),
+                                          implementation)
+                  for s in schedules if s != plan.schedule}
+        for s, reason in broken.items():
+            if reason:
+                space.reject(f"{label} {s}", reason, rule=True)
+        schedules = tuple(s for s in schedules if not broken.get(s))
         for transport, schedule, ckpt, where in product(transports, schedules, checkpointing,
                                                         placements(plan, gpus, gpus_per_node)):
             space.candidates.append(Candidate(
@@ -313,7 +325,8 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
-    space = enumerate_space(model, workload, gpus, checkpointing, axes)
+    space = enumerate_space(model, workload, gpus, checkpointing, axes,
+                            implementation=profile.implementation)
     with Workers(workers) as pool:
         found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool)
     found.seconds = time.perf_counter() - start

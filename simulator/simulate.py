@@ -64,7 +64,7 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     if nodes < 1:
         raise InputError(f"nodes must be >= 1, got {nodes}")
     gpus = nodes * profile.node.gpus_per_node
-    plan.check_against(model, workload, world=gpus)
+    plan.check_against(model, workload, world=gpus, implementation=profile.implementation)
     layout = Layout.build(workload, plan)
     graph = _step_graph(model, workload, plan, layout, profile.node.gpus_per_node, not overlap,
                         profile.implementation)

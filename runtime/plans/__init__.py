@@ -26,6 +26,7 @@ from csbp.runtime.model import BlockDiffusionLM
 from csbp.runtime.objective import bd3lm_targets, make_batch, weighted_cross_entropy
 from csbp.runtime.mesh import Mesh, build as build_mesh
 from csbp.runtime.plans import context, dp
+from csbp.simulator import plan_rules
 from csbp.simulator.errors import InputError
 from csbp.simulator.layout import Layout
 from csbp.simulator.objectives import objective_shape
@@ -68,11 +69,16 @@ class Work:
 
 
 def check_supported(spec: ModelSpec, workload: Workload, plan: Plan) -> None:
-    """What the runtime cannot run of a valid plan, as one-line input errors."""
+    """What the runtime cannot run of a plan, as one-line input errors: the shape rules every
+    plan is held to (`simulator/plan_rules.py`, read with this runtime's implementation profile,
+    so the runtime refuses exactly what the planner and `csbp simulate` refuse), and what it
+    does not implement yet."""
+    from csbp.runtime.train import RUNTIME_IMPLEMENTATION
+
     if workload.zero_stage == 3:
         raise InputError("ZeRO-3 (weights sharded and gathered per layer) is not supported by "
                          "the runtime yet: use --zero 2 (sharded gradients and optimizer state)")
-    tensor_parallel.check_supported(spec, Layout.build(workload, plan), plan)
+    plan_rules.check(spec, workload, plan, RUNTIME_IMPLEMENTATION)
 
 
 def rank_work(spec: ModelSpec, workload: Workload, plan: Plan, rank: int, comm: Comm) -> Work:
