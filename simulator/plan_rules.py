@@ -15,8 +15,11 @@ reason") and `csbp simulate` / `csbp run` print (exit 2).
 
 Where a framework can do more than a rule, its implementation profile says so (`Implementation`
 in implementation.py), not the planner's default: `tp_replicates_kv_heads: true` lets TP exceed
-the K/V heads when it is a multiple of them (each K/V head copied on tp / kv ranks, as vLLM does).
-The shipped profiles keep the strict rules.
+the K/V heads when it is a multiple of them (each K/V head copied on tp / kv ranks, as vLLM does
+for inference). The shipped profiles keep the strict rules. Such a plan is priced as far as the
+cost model goes today: a K/V row on the wire holds whole heads (`layout.kv_row_bytes`), but the
+memory model and the step graph still count kv / tp heads of K/V per rank, so they under-count
+the copies' memory and projection work.
 """
 
 from __future__ import annotations
