@@ -250,7 +250,14 @@ class Search:
 
 def rank_key(r: Result) -> tuple[float, float, float]:
     """Faster first; among equally fast plans (compute-bound ones tie exactly), the one with more
-    memory headroom, then less attention traffic (less exposed to a busy network)."""
+    memory headroom, then less attention traffic (less exposed to a busy network).
+
+    Stable on every host: tokens/s is rounded to 9 significant digits, since it comes from
+    durations read through log/exp, whose last bit may differ between CPUs (libm's variants,
+    numpy's vector loops), and plans that tie in exact arithmetic must tie everywhere; memory
+    and traffic are byte counts scaled by constants, the same everywhere. Full ties keep the
+    order the candidates came in (every sort here is stable; the pruned screen sorts on this
+    key, then the enumeration index), which the job alone decides."""
     return (-float(f"{r.tokens_per_s or 0.0:.9g}"), r.peak_memory_gib or 0.0,
             r.attention_traffic_gib_per_gpu)
 
