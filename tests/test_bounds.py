@@ -19,6 +19,9 @@ from csbp.simulator.simulate import simulate
 from csbp.simulator.workload import Workload
 
 K = 1024
+# every test compares step times that two computations reach (a bound and an engine, a pruned and
+# an exhaustive search, two graphs): tests/README.md
+pytestmark = pytest.mark.floats
 
 # (model, seq_len, nodes, hardware, every how many fitting candidates to check)
 JOBS = [
@@ -45,6 +48,8 @@ def test_bounds_are_below_both_engines(name, seq_len, nodes, hardware, every):
         tight = step_time_lower_bound(model, cand.workload, cand.plan, profile)
         closed = simulate(model, cand.workload, cand.plan, profile, nodes, engine="closed-form",
                           with_trace=False).step_time_s
+        # exact inequalities: the bounds are lowered by a relative 1e-12 for their other order of
+        # summation (bounds.py, reason 4), so they hold on every CPU
         assert 0 < quick <= closed and 0 < tight <= closed, cand.label
         if cand.plan.bp > 1 and cand.plan.cp > 1 and name == "nemotron-diffusion-8b":
             des = simulate(model, cand.workload, cand.plan, profile, nodes, engine="des",
@@ -53,7 +58,9 @@ def test_bounds_are_below_both_engines(name, seq_len, nodes, hardware, every):
 
 
 def test_bounds_are_tight_where_compute_dominates():
-    """At 256K the dense 8B model is compute-bound: the bound is within a few percent."""
+    """At 256K the dense 8B model is compute-bound: the bound is within a few percent (5 %: what
+    the bound leaves out, waits for other ranks and for transfers of other segments, and
+    queueing; a modelling margin, not rounding)."""
     model, profile = load_model("nemotron-diffusion-8b"), load_profile("h200")
     workload = Workload(seq_len=256 * K)
     for plan in (Plan(dp=2, cp=8, bp=8), Plan(dp=4, cp=4), Plan(dp=2, cp=8, transport="ring")):
@@ -69,7 +76,9 @@ def test_bounds_are_tight_where_compute_dominates():
 ])
 def test_without_checkpointing_is_the_checkpointed_bound_less_its_recompute(name, plan, fields):
     """Reason 5: the bound without checkpointing from the checkpointed graph equals the one of a
-    graph built without checkpointing, bit for bit."""
+    graph built without checkpointing, bit for bit. Exact on purpose and on every CPU: both are
+    segment_sums' elementwise running sums (max, +, *) over the same op durations in the same
+    order, IEEE operations that round alike everywhere."""
     model, profile = load_model(name), load_profile("h200")
     workload = Workload(seq_len=32 * K, checkpointing="none", objective=default_objective(model), **fields)
     reduced, counts = one_layer_per_kind(model)
@@ -112,7 +121,9 @@ def test_bounds_in_worker_processes_are_the_same():
 def test_pruned_search_reports_what_the_exhaustive_one_does(name, seq_len, engine, keeps):
     """For any `keep`: the first `keep` ranked, the baseline and each family's best are the
     exhaustive search's, and the pruned ranking is the exhaustive one restricted to what it
-    screened."""
+    screened. Exact: both searches simulate each candidate with the same call in the same
+    process (one code path twice), and rank_key rounds tokens/s to 9 digits, ties keeping the
+    enumeration order in both."""
     model, profile = load_model(name), load_profile("h200")
     workload = Workload(seq_len=seq_len, objective=default_objective(model))
     full = search(model, workload, profile, 1, engine=engine, workers=1)

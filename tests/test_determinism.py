@@ -17,6 +17,8 @@ from csbp.simulator.plan import parse_plan
 from csbp.simulator.presets import load_model
 from csbp.simulator.workload import Workload
 
+# the same computation twice must print the same floats: one code path, exact
+pytestmark = pytest.mark.floats
 SIMULATE = ["simulate", "--model", "tiny", "--seq-len", "4096", "--block-size", "64", "--nodes", "1",
             "--plan", "dp=2,cp=2,bp=4", "--transport", "ring", "--json"]
 PLAN = ["plan", "--model", "tiny", "--seq-len", "4096", "--nodes", "1", "--jobs", "2", "--json"]

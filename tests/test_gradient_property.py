@@ -1,8 +1,8 @@
 """Property: for random tiny models, contexts, blocks and plans, every rank's loss and gradients
-equal the single-process reference. Hypothesis draws a few world-2 configurations per example
+equal the single-process reference. Hypothesis draws several world-2 configurations per example
 (full or sliding layers, GQA groups, gated queries, biases, tied embeddings, MoE; dp, cp, bp,
 csbp over collective or ring; both block schedules; with and without recompute); all of one
-example run in one spawned gloo group, so the test costs a handful of process starts."""
+example run in one spawned gloo group, so the test costs two process starts."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ from csbp.simulator.errors import InputError
 from csbp.simulator.plan import parse_plan
 from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
 from csbp.simulator.workload import Workload
-from test_runtime_plans import TOLERANCE, reference, relative_error
+from test_runtime_plans import TOLERANCE, gradient_floor, reference, relative_error
 
 WORLD = 2
-# Gradients below this share of the largest one are zero up to rounding (top-1 routing leaves
-# the router none: its weight renormalises to 1); they are compared in absolute terms.
-ROUNDING_FLOOR = 1e-4
-ADAM_FLOOR = 1e-6  # |gradient| (100 x AdamW's eps) below which one step amplifies rounding
+# losses, gradients and AdamW updates of torch kernels against a reference: tests/README.md
+pytestmark = pytest.mark.floats
+# |gradient| (100 x AdamW's eps, 1e-8) below which one step's update is rounding noise: an
+# element whose exact gradient is zero gets lr * noise / (|noise| + eps), a full-size update of
+# arbitrary sign that differs from CPU to CPU. Above it, an update's relative error is the
+# gradient's scaled by eps / (|g| + eps) < 0.01, so TOLERANCE holds for updates as for gradients.
+ADAM_FLOOR = 1e-6
 
 
 @st.composite
@@ -61,15 +64,23 @@ def jobs(draw) -> Job:
     return Job(model, workload, plan, capture_gradients=True)
 
 
+def _distinct(job: Job) -> tuple:
+    return job.plan.label(), job.plan.transport, job.plan.schedule
+
+
+# Few examples of many configurations each: a process group costs seconds to start, a tiny job
+# milliseconds. Distinct plans per example keep hypothesis's first (simplest) example from being
+# one configuration repeated: two examples draw ten configurations (five examples of two or
+# three drew nine and two repeats, in five process groups).
 @pytest.mark.timeout(300)
-@settings(max_examples=5, deadline=None, derandomize=True, database=None,
+@settings(max_examples=2, deadline=None, derandomize=True, database=None,
           phases=[Phase.explicit, Phase.generate],  # shrinking would respawn for minutes
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(st.lists(jobs(), min_size=2, max_size=3))
+@given(st.lists(jobs(), min_size=4, max_size=6, unique_by=_distinct))
 def test_every_plan_matches_the_reference_gradients(drawn):
     for job, reports in zip(drawn, spawn(drawn, WORLD, "cpu", 150)):
         ref_loss, ref_grads = reference(job.model, job.workload, job.plan.dp * job.workload.micro_batch)
-        floor = ROUNDING_FLOOR * max(np.linalg.norm(g) for g in ref_grads.values())
+        floor = gradient_floor(ref_grads)  # gradients zero up to rounding: absolute terms
         for r in reports:
             assert r.losses[0] == pytest.approx(ref_loss, rel=TOLERANCE), job
             errors = {n: relative_error(r.gradients[n], ref_grads[n], floor) for n in ref_grads}
@@ -111,19 +122,27 @@ def sharded_jobs(draw) -> Job:
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=3, deadline=None, derandomize=True, database=None,
+@settings(max_examples=2, deadline=None, derandomize=True, database=None,  # nine configurations
           phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(st.lists(sharded_jobs(), min_size=2, max_size=3))
+@given(st.lists(sharded_jobs(), min_size=3, max_size=5, unique_by=_distinct))
 def test_every_plan_with_sharded_adamw_matches_the_reference_update(drawn):
     """ZeRO-1/2: one step's updated weights equal one process's replicated AdamW step.
 
     Adam's first step moves a weight by lr g / (|g| + eps): elements whose gradient is within a
-    few hundred eps of zero turn rounding into visible change, so they are left out."""
+    few hundred eps of zero turn rounding into visible change, so their updates are not compared
+    (their gradients are, in the test above); they must still move no more than AdamW can."""
+    from csbp.runtime.train import LEARNING_RATE
+
     for job, reports in zip(drawn, spawn(drawn, WORLD, "cpu", 150)):
         before, after, grads = _updated_reference(job)
         for r in reports:
             for n in after:
                 big = np.abs(grads[n]) > ADAM_FLOOR
-                error = relative_error((r.parameters[n] - before[n])[big], (after[n] - before[n])[big])
+                moved = r.parameters[n] - before[n]
+                error = relative_error(moved[big], (after[n] - before[n])[big])
                 assert error <= TOLERANCE, f"{job}: rank {r.rank} {n} off by {error:.1e}"
+                # one step moves a weight by lr |g| / (|g| + eps) < lr plus the decay lr * 0.01 |w|
+                # (torch's default weight_decay); 1 % over for fp32 rounding
+                bound = 1.01 * LEARNING_RATE * (1 + 0.01 * np.abs(before[n][~big]))
+                assert (np.abs(moved[~big]) <= bound).all(), f"{job}: rank {r.rank} {n} moved too far"

@@ -72,6 +72,7 @@ def test_h200_differs_where_the_reference_says():
     assert h200.links == h100.links
 
 
+@pytest.mark.floats
 @pytest.mark.parametrize("name", SHIPPED)
 def test_curves_are_monotone(name):
     p = load_profile(name)
@@ -88,9 +89,11 @@ def test_curves_are_monotone(name):
     assert all(b < f for f, b in zip(fwd, bwd))  # backward is the less efficient pass
 
 
+@pytest.mark.floats
 def test_reference_figures():
     p = load_profile("h100")
     assert p.gemm_efficiency(1e4) == pytest.approx(0.803)  # MAMF best shape
+    # rel 0.01: the published TFLOP/s are read off a plot, to about 1 %
     assert p.attention_efficiency(1024, backward=False) * 989.4 == pytest.approx(541, rel=0.01)
     assert p.attention_efficiency(8192, backward=True) * 989.4 == pytest.approx(561, rel=0.01)
     masked = p.attention_efficiency(2048, backward=True, masked=True)
@@ -99,6 +102,7 @@ def test_reference_figures():
     assert p.links.infiniband.collective_gbs < p.links.nvlink.collective_gbs
 
 
+@pytest.mark.floats
 def test_interpolate_is_log_linear_and_clamps():
     curve = ((1.0, 0.2), (100.0, 0.6))
     assert interpolate(curve, 10.0) == pytest.approx(0.4)
@@ -180,6 +184,7 @@ def _with_dense(**gpu_overrides):
     return raw
 
 
+@pytest.mark.floats
 def test_dense_attention_prices_visible_and_masked_scores():
     from csbp.simulator.hardware import HardwareProfile
 
@@ -203,6 +208,7 @@ def test_dense_curves_come_all_or_none():
         HardwareProfile.model_validate(raw)
 
 
+@pytest.mark.floats
 def test_host_overhead_shares_cores_like_arithmetic():
     from csbp.simulator.cost import compute_seconds
     from csbp.simulator.graph import Compute

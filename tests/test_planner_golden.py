@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import cache
 from pathlib import Path
 from unittest import mock
 
@@ -27,6 +28,8 @@ from csbp.simulator.commands.plan import answer
 from csbp.simulator.planner import label_of, search
 
 GOLDEN = Path(__file__).parent / "golden" / "planner.json"
+# recorded floats and rankings: tests/README.md
+pytestmark = pytest.mark.floats
 
 # (name, csbp plan flags)
 CASES = [
@@ -51,8 +54,10 @@ ANSWER = ("default_job", "recommended", "baseline", "speedup", "candidates", "in
           "plan_file", "torchrun")
 
 
-def planned(flags: list[str], exhaustive: bool = False):
-    """`csbp plan FLAGS --json` answered; `exhaustive`: every candidate screened (no pruning)."""
+@cache
+def planned(flags: tuple[str, ...], exhaustive: bool = False):
+    """`csbp plan FLAGS --json` answered; `exhaustive`: every candidate screened (no pruning).
+    Cached: both tests read the pruned answer of a case (read only), computed once."""
     argv = ["plan", *flags, "--json", "--jobs", "1"]
     args = build_parser(argv).parse_args(argv)
     if not exhaustive:
@@ -62,7 +67,7 @@ def planned(flags: list[str], exhaustive: bool = False):
 
 
 def record(flags: list[str]) -> dict:
-    p = planned(flags, exhaustive=True)
+    p = planned(tuple(flags), exhaustive=True)
     return {"json": {k: v for k, v in json.loads(json.dumps(p.to_json())).items() if k in ANSWER},
             "ranking": [label_of(r) for r in p.found.ranked]}
 
@@ -83,7 +88,7 @@ def golden() -> dict:
 def test_plan_json_unchanged(name, flags, golden):
     from test_speed_golden import assert_close
 
-    got = json.loads(json.dumps(planned(flags).to_json()))
+    got = json.loads(json.dumps(planned(tuple(flags)).to_json()))
     want = golden[name]["json"]
     assert_close(recorded_part(got, want), recorded_part(want, want), name)
 
@@ -92,7 +97,7 @@ def test_plan_json_unchanged(name, flags, golden):
 def test_exhaustive_ranking_unchanged_and_pruned_ranking_follows_it(name, golden):
     """Every feasible candidate screened ranks as recorded; a pruned search ranks what it
     screened in the same order (its first entries are the recorded ones)."""
-    flags = dict(CASES)[name]
+    flags = tuple(dict(CASES)[name])
     full = [label_of(r) for r in planned(flags, exhaustive=True).found.ranked]
     assert full == golden[name]["ranking"]
     pruned = planned(flags).found

@@ -24,7 +24,17 @@ from csbp.simulator.presets import load_model
 from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
 from csbp.simulator.workload import Workload
 
+# Relative, on the loss and on each weight's gradient (as a whole: norm of the difference over the
+# norm). Basis: both sides compute in fp32 (unit roundoff 6e-8) but reduce in different orders
+# (sharded matmuls, LSE merges of partial attention, gradients summed over ranks); errors of
+# reductions over the tiny models' few hundred terms grow like sqrt(n) x 6e-8 ~ 1e-6, so 1e-5
+# leaves a tenfold margin while a wrong mask, block or shard moves gradients by percents.
 TOLERANCE = 1e-5
+# A gradient that is zero in exact arithmetic (an expert no token chose is exactly zero; top-1
+# routing leaves the router a gradient of cancelling terms) comes out as the rounding of the terms
+# that cancel, whose size is set by the model's largest gradients, not by its own norm: gradients
+# below this share of the largest one are judged against that floor (absolute terms).
+ROUNDING_FLOOR = 1e-4
 SPAWN_TIMEOUT_S = 150
 
 TINY = load_model("tiny")
@@ -102,10 +112,16 @@ def relative_error(got: np.ndarray, want: np.ndarray, floor: float = 0.0) -> flo
     return float(np.linalg.norm(got - want) / (scale if scale > 0 else 1.0))
 
 
+def gradient_floor(grads: dict[str, np.ndarray]) -> float:
+    """The norm below which a weight's gradient is zero up to rounding (ROUNDING_FLOOR)."""
+    return ROUNDING_FLOOR * max(float(np.linalg.norm(g)) for g in grads.values())
+
+
 def ids(item):
     return f"world{item[0]}-{item[1].name}"
 
 
+@pytest.mark.floats
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world, case", ALL, ids=[ids(a) for a in ALL])
 def test_loss_and_every_gradient_match_the_single_process_reference(world, case):
@@ -115,7 +131,8 @@ def test_loss_and_every_gradient_match_the_single_process_reference(world, case)
     for r in reports:
         assert abs(r.losses[0] - ref_loss) <= TOLERANCE * abs(ref_loss)
         assert r.gradients.keys() == ref_grads.keys()
-        errors = {n: relative_error(r.gradients[n], ref_grads[n]) for n in ref_grads}
+        floor = gradient_floor(ref_grads)
+        errors = {n: relative_error(r.gradients[n], ref_grads[n], floor) for n in ref_grads}
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOLERANCE, f"rank {r.rank}: {worst} off by {errors[worst]:.2e}"
 
