@@ -7,6 +7,8 @@ from csbp.simulator.cost import along, collective_seconds, comm_seconds, compute
 from csbp.simulator.graph import Comm, Compute, Group
 from csbp.simulator.hardware import interpolate, load_profile
 
+pytestmark = pytest.mark.floats  # float results of numeric kernels: re-run under baseline kernels in CI
+
 
 @pytest.fixture(scope="module")
 def h200():
@@ -60,6 +62,9 @@ def test_all_reduce_is_two_passes(h200):
     n, buffer = 8, 2**30
     rs = Comm("reduce-scatter", (buffer * (n - 1) / n,), inside(n), "gradients")
     ar = Comm("all-reduce", (2 * buffer * (n - 1) / n,), inside(n), "gradients")
+    # not exactly 2x: one call's base latency is paid once by the all-reduce and twice by two
+    # reduce-scatters (0.2 % of 1 GiB's ~5 ms on NVLink); 5 % is the bound this test holds the
+    # two-pass model to, a modelling margin, not rounding
     assert seconds(ar, h200)[0] == pytest.approx(2 * seconds(rs, h200)[0], rel=0.05)
 
 
