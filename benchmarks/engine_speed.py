@@ -10,13 +10,13 @@ import os
 import time
 
 from csbp.simulator.engine import simulate_graph
-from csbp.simulator.graph import StepGraph
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.layout import Layout
-from csbp.simulator.plan import Plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.simulate import simulate
-from csbp.simulator.workload import Workload
+from csbp.simulator.cost.graph import StepGraph
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.workload.workload import Workload
 
 MODEL = "nemotron-diffusion-8b"
 SEQ_LEN = 256 * 1024

@@ -38,7 +38,7 @@ TOKENS = (1024, 2048, 4096, 8192, 16384)
 TILES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ATTENTION_TOKENS = 32768  # batch x tile per attention call
 PEAK_TFLOPS = 989.4  # dense BF16 tensor peak, H100/H200 SXM (hardware.md 3.1)
-BACKWARD_RATIO = 2.5  # FlashAttention backward FLOP / forward FLOP (as simulator/graph.py)
+BACKWARD_RATIO = 2.5  # FlashAttention backward FLOP / forward FLOP (as simulator/cost/graph.py)
 GIB = 1024**3
 
 

@@ -116,7 +116,7 @@ def run_args(s: Settings, seq_len: str, plan: str) -> list[str]:
 
 def job_of(flags: list[str]):
     """The job `csbp run` makes of these flags (the same parser, the same checks)."""
-    from csbp.runtime.launch import add_run_args, job_from_args
+    from csbp.runtime.training.launch import add_run_args, job_from_args
 
     parser = argparse.ArgumentParser()
     add_run_args(parser)
@@ -126,8 +126,8 @@ def job_of(flags: list[str]):
 def heaviest_rank(job, profile) -> tuple[int, list[float]]:
     """The global rank of the context rank with the most predicted compute (its dp/tp/ep
     coordinates 0), and every context rank's predicted compute seconds."""
-    from csbp.runtime.emulate import predict
-    from csbp.runtime.mesh import global_rank
+    from csbp.runtime.emulation.emulate import predict
+    from csbp.runtime.distributed.mesh import global_rank
 
     totals = [sum(predict(job, c, profile).ops.values()) for c in range(job.plan.ctx)]
     ctx = max(range(len(totals)), key=totals.__getitem__)
@@ -273,7 +273,7 @@ def worker(items: str) -> int:
     import contextlib
     import gc
 
-    from csbp.simulator import cli
+    from csbp.simulator.commands import cli
 
     for i, argv in enumerate(json.loads(Path(items).read_text())):
         print(f"start {i}", flush=True)
@@ -292,7 +292,7 @@ def worker(items: str) -> int:
 
 def _datasheet(job, ctx: int, profile) -> dict:
     """The same rank's ops priced on the datasheet profile, summed per phase and name."""
-    from csbp.runtime.emulate import predict
+    from csbp.runtime.emulation.emulate import predict
 
     pred = predict(job, ctx, profile)
     rows: dict[str, float] = {}
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     profile_path = out_dir / f"{s.profile_name}.yaml"
 
     def profile_step() -> dict:
-        from csbp.simulator.hardware import load_profile
+        from csbp.simulator.system.hardware import load_profile
 
         profile = measured_profile.build(Path(args.base_profile), points,
                                          {**env, "dtype": str(s.shapes.dtype).split(".")[-1]},
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prof = timed("profile", profile_step)
     measured = profile_path if prof.status == "ok" else None
-    from csbp.simulator.hardware import load_profile
+    from csbp.simulator.system.hardware import load_profile
 
     datasheet = load_profile(args.base_profile)
     todo = prepare(s, out_dir, measured, datasheet)

@@ -33,7 +33,7 @@ if [ "$dry" = 0 ]; then
 fi
 
 # csbp not installed (the device machine): a namespace over this checkout, as pyproject maps it
-if ! (cd / && "$python" -c "import csbp.runtime.emulate" 2>/dev/null); then
+if ! (cd / && "$python" -c "import csbp.runtime.emulation.emulate" 2>/dev/null); then
   shim="$(mktemp -d)"
   mkdir "$shim/csbp"
   cp "$root"/csbp/*.py "$shim/csbp/"

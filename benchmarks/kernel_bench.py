@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 HIDDEN, HEADS, HEAD_DIM, KV_HEADS, FFN, VOCAB = 4096, 32, 128, 8, 14336, 131072  # Nemotron 8B
-BACKWARD_RATIO = 2.5  # attention backward / forward FLOP, as simulator/graph.py prices it
+BACKWARD_RATIO = 2.5  # attention backward / forward FLOP, as simulator/cost/graph.py prices it
 
 
 class Budget:

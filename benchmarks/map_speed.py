@@ -14,9 +14,9 @@ import os
 import resource
 import time
 
-from csbp.simulator.grid import CellSearch, cells, search_cells, split_list
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.planner import available_cores, fmt_tokens
+from csbp.simulator.grids.grid import CellSearch, cells, search_cells, split_list
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.planner.planner import available_cores, fmt_tokens
 
 # 12 contexts x 8 cluster sizes: 64K-1M in steps a user would plan, 1 to 128 nodes of 8 GPUs
 SEQ_LENS = "64k,96k,128k,192k,256k,320k,384k,512k,640k,768k,896k,1m"

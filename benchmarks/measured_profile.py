@@ -39,7 +39,7 @@ def _significant(x: float) -> float:
 
 
 def _interpolate(curve, x: float) -> float:
-    from csbp.simulator.hardware import interpolate
+    from csbp.simulator.system.hardware import interpolate
 
     return interpolate(curve, x)
 

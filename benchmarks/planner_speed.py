@@ -22,15 +22,15 @@ import statistics
 import subprocess
 import sys
 
-from csbp.simulator.cli_args import add_workload_args, inputs_from_args
+from csbp.simulator.commands.cli_args import add_workload_args, inputs_from_args
 
 GOALS = {16: 0.5, 128: 2.0, 1024: 10.0}  # GPUs -> seconds
 
 
 def one_search(args: argparse.Namespace) -> dict:
     """One cold search in this process, as `csbp plan` runs it (checkpointing searched)."""
-    from csbp.simulator.hardware import load_profile
-    from csbp.simulator.planner import search
+    from csbp.simulator.system.hardware import load_profile
+    from csbp.simulator.planner.planner import search
 
     inputs = inputs_from_args(args)
     found = search(inputs.model, inputs.workload, load_profile(args.hardware), args.nodes,

@@ -26,12 +26,12 @@ KINDS = ("attention", "collectives", "rest", "step")
 
 
 def _rank(rank: int, world: int, plan_text: str, seq_len: int, steps: int, init: str, queue) -> None:
-    from csbp.runtime.allocator import keep_freed_memory
+    from csbp.runtime.memory.allocator import keep_freed_memory
 
     keep_freed_memory()
     torch.set_num_threads(1)
-    import csbp.runtime.attention as attention
-    import csbp.runtime.comm as comm
+    import csbp.runtime.models.attention as attention
+    import csbp.runtime.distributed.comm as comm
 
     spent: dict[str, float] = defaultdict(float)
     inside = {"attention": 0}  # > 0 while an attention forward or backward is running
@@ -84,10 +84,10 @@ def _rank(rank: int, world: int, plan_text: str, seq_len: int, steps: int, init:
 
     attention.Attention.__call__ = timed_attention
 
-    from csbp.runtime.train import Job, Trainer
-    from csbp.runtime.validation_suite import BLOCK, VALIDATION_MODEL
-    from csbp.simulator.plan import parse_plan
-    from csbp.simulator.workload import Workload
+    from csbp.runtime.training.train import Job, Trainer
+    from csbp.runtime.validation.validation_suite import BLOCK, VALIDATION_MODEL
+    from csbp.simulator.plan.plan import parse_plan
+    from csbp.simulator.workload.workload import Workload
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     job = Job(VALIDATION_MODEL, Workload(seq_len=seq_len, block_size=BLOCK, dtype="fp32", zero_stage=0),
@@ -110,7 +110,7 @@ def _rank(rank: int, world: int, plan_text: str, seq_len: int, steps: int, init:
 
 def measure(plan_text: str, seq_len: int, steps: int) -> dict[int, dict[str, float]]:
     """Per rank, the median over steps of each kind's seconds."""
-    from csbp.simulator.plan import parse_plan
+    from csbp.simulator.plan.plan import parse_plan
 
     world = parse_plan(plan_text).world
     ctx = mp.get_context("spawn")
@@ -129,11 +129,11 @@ def measure(plan_text: str, seq_len: int, steps: int) -> dict[int, dict[str, flo
 
 def predict(plan_text: str, seq_len: int, profile_name: str) -> dict[int, dict[str, float]]:
     """Per representative rank, the simulated seconds of the same kinds (validation settings)."""
-    from csbp.runtime.validate import predict as simulate_case
-    from csbp.runtime.validation_suite import BLOCK, Case
-    from csbp.simulator.hardware import load_profile
-    from csbp.simulator.plan import parse_plan
-    from csbp.simulator.workload import Workload
+    from csbp.runtime.validation.validate import predict as simulate_case
+    from csbp.runtime.validation.validation_suite import BLOCK, Case
+    from csbp.simulator.system.hardware import load_profile
+    from csbp.simulator.plan.plan import parse_plan
+    from csbp.simulator.workload.workload import Workload
 
     case = Case(parse_plan(plan_text), Workload(seq_len=seq_len, block_size=BLOCK, dtype="fp32", zero_stage=0))
     result = simulate_case(case, load_profile(profile_name))

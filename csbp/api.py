@@ -31,9 +31,9 @@ def _argv(command: str, flags: dict) -> list[str]:
 
 
 def _args(command: str, flags: dict):
-    # imported here: `import csbp` must not load the CLI (`python -m csbp.simulator.cli` would
+    # imported here: `import csbp` must not load the CLI (`python -m csbp.simulator.commands.cli` would
     # then find its own module already imported)
-    from csbp.simulator.cli import build_parser
+    from csbp.simulator.commands.cli import build_parser
 
     argv = _argv(command, flags)
     parser = build_parser(argv)

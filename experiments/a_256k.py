@@ -8,7 +8,7 @@ from csbp.experiments import StudyOutput
 from csbp.experiments.plots import bars
 from csbp.experiments.runner import H200_2x8, Runner
 from csbp.experiments.workloads import FULL_MODELS_256K, full_model
-from csbp.simulator.presets import load_model
+from csbp.simulator.workload.presets import load_model
 
 NAME = "a-256k"
 TITLE = "256K context on 2 x 8 H200: baseline (no BP) vs the planner's best"

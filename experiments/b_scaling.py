@@ -9,7 +9,7 @@ from csbp.experiments.a_256k import COLUMNS as A_COLUMNS, winner_line
 from csbp.experiments.plots import lines
 from csbp.experiments.runner import H200_2x8, Runner
 from csbp.experiments.workloads import full_model
-from csbp.simulator.presets import load_model
+from csbp.simulator.workload.presets import load_model
 
 NAME = "b-scaling"
 TITLE = "Context scaling 64K-512K on 2 x 8 H200"

@@ -8,9 +8,9 @@ from csbp.experiments import StudyOutput
 from csbp.experiments.a_256k import winner_line
 from csbp.experiments.plots import lines
 from csbp.experiments.runner import FAMILIES, H100_1x8, Runner
-from csbp.simulator.presets import load_model
-from csbp.simulator.spec import AttentionSpec, ModelSpec
-from csbp.simulator.workload import Workload, parse_tokens
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload.workload import Workload, parse_tokens
 
 NAME = "c-drafters"
 TITLE = "DFlash2 drafter training on 1 x 8 H100, 64K-1M: where DP and CSBP cross over"

@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     runp.add_argument("name", nargs="?", default="all", help=f"all | {' | '.join(STUDIES)}")
     runp.add_argument("--out", default=str(RESULTS), help="results folder (default experiments/results)")
     runp.add_argument("--jobs", type=int, default=None, help="processes per search (default: all cores)")
-    from csbp.simulator.cli_args import add_implementation_arg
+    from csbp.simulator.commands.cli_args import add_implementation_arg
 
     add_implementation_arg(runp)
     actions.add_parser("list", help="list the studies")
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     studies = [load(n) for n in (STUDIES if args.name == "all" else [args.name])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, load_implementation
+    from csbp.simulator.system.implementation import DEFAULT_IMPLEMENTATION, load_implementation
 
     implementation = getattr(args, "implementation", DEFAULT_IMPLEMENTATION)
     load_implementation(implementation)  # bad input: one line before any study runs

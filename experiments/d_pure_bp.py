@@ -8,7 +8,7 @@ from csbp.experiments import StudyOutput
 from csbp.experiments.plots import bars
 from csbp.experiments.runner import FAMILIES, H200_2x8, Runner
 from csbp.experiments.workloads import full_model
-from csbp.simulator.presets import load_model
+from csbp.simulator.workload.presets import load_model
 
 NAME = "d-pure-bp"
 TITLE = "Pure-BP ablation at 64K and 128K on 2 x 8 H200"

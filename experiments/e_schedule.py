@@ -10,11 +10,11 @@ from csbp.experiments import StudyOutput
 from csbp.experiments.plots import bars
 from csbp.experiments.runner import H200_2x8, Runner, label
 from csbp.experiments.workloads import full_model
-from csbp.simulator.layout import Layout
-from csbp.simulator.planner import plan_of
-from csbp.simulator.presets import load_model
-from csbp.simulator.simulate import simulate
-from csbp.simulator.workload import Workload
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.planner.planner import plan_of
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.workload.workload import Workload
 
 NAME = "e-schedule"
 TITLE = "Dual-end vs contiguous block schedule at 256K on 2 x 8 H200"

@@ -8,10 +8,10 @@ from csbp.experiments import StudyOutput
 from csbp.experiments.plots import bars
 from csbp.experiments.runner import H200_2x8, Runner, label
 from csbp.experiments.workloads import full_model
-from csbp.simulator.planner import plan_of
-from csbp.simulator.presets import load_model
-from csbp.simulator.result import Result
-from csbp.simulator.simulate import simulate
+from csbp.simulator.planner.planner import plan_of
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.report.result import Result
+from csbp.simulator.engine.simulate import simulate
 
 NAME = "f-profile"
 TITLE = "Operator profile at 256K on 2 x 8 H200: CP vs CSBP"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from csbp.simulator.cli import main as csbp
+from csbp.simulator.commands.cli import main as csbp
 from csbp.simulator.commands.map import command_line, write_views
 
 OUT = Path(__file__).resolve().parent / "results" / "maps"

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from csbp.simulator.errors import InputError
-from csbp.simulator.hardware import HardwareProfile, load_profile
-from csbp.simulator.implementation import DEFAULT_IMPLEMENTATION, check_kernels, load_implementation
-from csbp.simulator.method_vs_implementation import speedup_by_implementation
-from csbp.simulator.planner import Search, describe, family, fmt_tokens, plan_of, search
-from csbp.simulator.result import Result
-from csbp.simulator.spec import ModelSpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.system.hardware import HardwareProfile, load_profile
+from csbp.simulator.system.implementation import DEFAULT_IMPLEMENTATION, check_kernels, load_implementation
+from csbp.simulator.planner.method_vs_implementation import speedup_by_implementation
+from csbp.simulator.planner.planner import Search, describe, family, fmt_tokens, plan_of, search
+from csbp.simulator.report.result import Result
+from csbp.simulator.workload.spec import ModelSpec
+from csbp.simulator.workload.workload import Workload
 
 FAMILIES = ("dp", "cp", "bp", "csbp")
 

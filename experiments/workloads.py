@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from csbp.simulator.objectives import default_objective
-from csbp.simulator.spec import ModelSpec
-from csbp.simulator.workload import Workload, parse_tokens
+from csbp.simulator.workload.objectives import default_objective
+from csbp.simulator.workload.spec import ModelSpec
+from csbp.simulator.workload.workload import Workload, parse_tokens
 
 FULL_MODELS_256K = ("nemotron-diffusion-3b", "nemotron-diffusion-8b", "nemotron-diffusion-14b",
                     "diffusiongemma-26b-a4b", "qwen3.5-27b", "qwen3.8-27b")

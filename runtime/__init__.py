@@ -2,5 +2,5 @@
 
 model.py (the network), objective.py (BD3-LM), attention.py (LSE attention and its exchanges),
 comm.py (every collective, counted), plans/ (what each rank does), train.py (the loop, torchrun
-entry), launch.py (`csbp run`); the plan file they read is `simulator/planfile.py`.
+entry), launch.py (`csbp run`); the plan file they read is `simulator/planner/planfile.py`.
 """

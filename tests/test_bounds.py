@@ -1,22 +1,22 @@
 """The planner's lower bounds never exceed a step either engine computes, so pruning by them
-never drops a candidate that could rank (the reasons are in simulator/bounds.py)."""
+never drops a candidate that could rank (the reasons are in simulator/planner/bounds.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from csbp.simulator.bounds import (busy_per_rank, keys_at_home_is_cheapest, one_layer_per_kind, segment_sums,
+from csbp.simulator.planner.bounds import (busy_per_rank, keys_at_home_is_cheapest, one_layer_per_kind, segment_sums,
                                    step_time_lower_bound)
 from csbp.simulator.engine import durations
-from csbp.simulator.graph import StepGraph
-from csbp.simulator.layout import Layout
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.objectives import default_objective
-from csbp.simulator.plan import Plan
-from csbp.simulator.planner import enumerate_space, memory_misfit, search
-from csbp.simulator.presets import load_model
-from csbp.simulator.simulate import simulate
-from csbp.simulator.workload import Workload
+from csbp.simulator.cost.graph import StepGraph
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.workload.objectives import default_objective
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.planner.planner import enumerate_space, memory_misfit, search
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.workload.workload import Workload
 
 K = 1024
 # every test compares step times that two computations reach (a bound and an engine, a pruned and
@@ -102,8 +102,8 @@ def test_bounds_in_worker_processes_are_the_same():
     """Forked workers compute the same bounds, in order (the planner's chunks)."""
     from functools import partial
 
-    from csbp.simulator.planner import _lower_bounds
-    from csbp.simulator.workers import Workers
+    from csbp.simulator.planner.planner import _lower_bounds
+    from csbp.simulator.planner.workers import Workers
 
     model, profile = load_model("nemotron-diffusion-8b"), load_profile("h200")
     workload = Workload(seq_len=64 * K)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from csbp.runtime.attention_fit import dense_attention_check
-from csbp.runtime.calibration_measurements import COLLECTIVE_SIZES, Measurements
-from csbp.runtime.collective_fit import GROUP_OPS, residuals, ring_steps, wire_bytes
-from csbp.runtime.fit_figures import efficiency_curve
-from csbp.runtime.host_identity import HostIdentity
-from csbp.runtime.profile_fit import fit_profile
-from csbp.simulator.hardware import HardwareProfile, load_profile
+from csbp.runtime.calibration.attention_fit import dense_attention_check
+from csbp.runtime.calibration.calibration_measurements import COLLECTIVE_SIZES, Measurements
+from csbp.runtime.calibration.collective_fit import GROUP_OPS, residuals, ring_steps, wire_bytes
+from csbp.runtime.calibration.fit_figures import efficiency_curve
+from csbp.runtime.calibration.host_identity import HostIdentity
+from csbp.runtime.calibration.profile_fit import fit_profile
+from csbp.simulator.system.hardware import HardwareProfile, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 CALL_US, STEP_US, WAKE_US, CORES = 150.0, 60.0, 3000.0, 2
@@ -121,7 +121,7 @@ def test_efficiency_curve_is_a_valid_profile_curve():
 
 
 def _csbp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "csbp.simulator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "csbp.simulator.commands.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
 
 
@@ -138,7 +138,7 @@ def test_bad_input_is_one_line_exit_2(args, expected):
 
 @pytest.mark.timeout(120)
 def test_collective_benchmark_runs_through_the_comm_layer():
-    from csbp.runtime import microbench as mb
+    from csbp.runtime.calibration import microbench as mb
 
     got = mb.collective_seconds(2, [4096], ops=("all_gather", "send_recv"), repeats=1, calls=2, gap_s=0.005,
                                 timeout_s=90)
@@ -165,7 +165,7 @@ def test_gpu_script_writes_a_loadable_profile(tmp_path):
 
 def _dense_rows(e_visible: float, e_masked: float, peak: float) -> list[tuple]:
     """Attention calls priced by known visible / masked efficiencies (three masks per size)."""
-    from csbp.runtime.validation_suite import VALIDATION_MODEL
+    from csbp.runtime.validation.validation_suite import VALIDATION_MODEL
 
     a = VALIDATION_MODEL.layers[0]
     rows = []

@@ -8,15 +8,15 @@ from dataclasses import replace
 
 import pytest
 
-from csbp.runtime import checkpoint, faults
-from csbp.runtime.checkpoint import CheckpointInfo
-from csbp.runtime.launch import RunFailed, spawn
-from csbp.runtime.train import Job
+from csbp.runtime.training import checkpoint, faults
+from csbp.runtime.training.checkpoint import CheckpointInfo
+from csbp.runtime.training.launch import RunFailed, spawn
+from csbp.runtime.training.train import Job
 from csbp.simulator.errors import InputError
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.spec import AttentionSpec, ModelSpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload.workload import Workload
 
 # tied embeddings: DCP must keep the shared weight shared
 TIED = ModelSpec(name="tiny-tied", hidden=64, ffn=128, vocab=256, tie_embeddings=True,

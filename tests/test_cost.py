@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from csbp.simulator.cost import along, collective_seconds, comm_seconds, compute_seconds, seconds
-from csbp.simulator.graph import Comm, Compute, Group
-from csbp.simulator.hardware import interpolate, load_profile
+from csbp.simulator.cost.cost import along, collective_seconds, comm_seconds, compute_seconds, seconds
+from csbp.simulator.cost.graph import Comm, Compute, Group
+from csbp.simulator.system.hardware import interpolate, load_profile
 
 pytestmark = pytest.mark.floats  # float results of numeric kernels: re-run under baseline kernels in CI
 

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from csbp.runtime.launch import spawn
-from csbp.runtime.train import Job
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.workload import Workload
+from csbp.runtime.training.launch import spawn
+from csbp.runtime.training.train import Job
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.workload import Workload
 
 # the same computation twice must print the same floats: one code path, exact
 pytestmark = pytest.mark.floats
@@ -27,7 +27,7 @@ PLAN = ["plan", "--model", "tiny", "--seq-len", "4096", "--nodes", "1", "--jobs"
 def stdout_under_hash_seeds(argv: list[str]) -> list[str]:
     outs = []
     for seed in ("1", "2"):
-        done = subprocess.run([sys.executable, "-m", "csbp.simulator.cli", *argv], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "csbp.simulator.commands.cli", *argv], capture_output=True,
                               text=True, timeout=120, env=os.environ | {"PYTHONHASHSEED": seed})
         assert done.returncode == 0, done.stderr
         outs.append(done.stdout)

@@ -17,17 +17,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from csbp.runtime import attention as attention_module
-from csbp.runtime.comm import Comm
-from csbp.runtime.emulate import LocalComm, emulate, graph_group
-from csbp.runtime.train import Job, Trainer
-from csbp.simulator import cli
-from csbp.simulator.graph import Compute, Op
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.spec import AttentionSpec, ModelSpec
-from csbp.simulator.workload import Workload
+from csbp.runtime.models import attention as attention_module
+from csbp.runtime.distributed.comm import Comm
+from csbp.runtime.emulation.emulate import LocalComm, emulate, graph_group
+from csbp.runtime.training.train import Job, Trainer
+from csbp.simulator.commands import cli
+from csbp.simulator.cost.graph import Compute, Op
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload.workload import Workload
 
 TINY = load_model("tiny")
 SLIDING = ModelSpec(name="tiny-sliding", hidden=64, ffn=128, vocab=256, layers=(

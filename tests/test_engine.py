@@ -6,18 +6,18 @@ import time
 import numpy as np
 import pytest
 
-from csbp.simulator.objectives import default_objective
+from csbp.simulator.workload.objectives import default_objective
 from csbp.simulator.engine import simulate_graph, summarize
 from csbp.simulator.errors import InputError
-from csbp.simulator.graph import Comm, Compute, StepGraph, group_on_nodes, pairs_with_keys
-from csbp.simulator.hardware import load_profile
-from csbp.simulator import mask
-from csbp.simulator.layout import Layout, attention_bytes_received
-from csbp.simulator.plan import Plan
-from csbp.simulator.presets import PRESET_NAMES, load_model
-from csbp.simulator.simulate import simulate
-from csbp.simulator.trace import write_trace
-from csbp.simulator.workload import Workload
+from csbp.simulator.cost.graph import Comm, Compute, StepGraph, group_on_nodes, pairs_with_keys
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.layout import mask
+from csbp.simulator.layout.layout import Layout, attention_bytes_received
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.presets import PRESET_NAMES, load_model
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.report.trace import write_trace
+from csbp.simulator.workload.workload import Workload
 
 K64, K256 = 64 * 1024, 256 * 1024
 M8 = load_model("nemotron-diffusion-8b")

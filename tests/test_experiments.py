@@ -10,11 +10,11 @@ from csbp.experiments.cli import run as cli_run
 from csbp.experiments.f_profile import exposed_attention_s
 from csbp.experiments.report import table
 from csbp.experiments.runner import H100_1x8, Runner
-from csbp.simulator.cli import main
+from csbp.simulator.commands.cli import main
 from csbp.simulator.errors import InputError
-from csbp.simulator.presets import load_model
-from csbp.simulator.result import Result, TraceEvent
-from csbp.simulator.workload import Workload
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.report.result import Result, TraceEvent
+from csbp.simulator.workload.workload import Workload
 
 
 def test_every_study_is_listed_and_loads(capsys):

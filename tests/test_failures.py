@@ -1,6 +1,6 @@
 """A failing rank ends the run everywhere, soon, with one line naming the rank and the step.
 
-Faults are injected with CSBP_FAULT (runtime/faults.py) into world-2 gloo runs on CPU: a rank
+Faults are injected with CSBP_FAULT (runtime/training/faults.py) into world-2 gloo runs on CPU: a rank
 that raises, is killed, produces a NaN loss, or hangs (its peer's collective times out).
 """
 
@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from csbp.runtime import faults
-from csbp.runtime.launch import RunFailed, spawn
-from csbp.runtime.train import Job
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.workload import Workload
+from csbp.runtime.training import faults
+from csbp.runtime.training.launch import RunFailed, spawn
+from csbp.runtime.training.train import Job
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.workload import Workload
 
 ENDS_WITHIN_S = 60
 JOB = Job(load_model("tiny"), Workload(seq_len=64, block_size=8, dtype="fp32"), parse_plan("cp=2"),
@@ -71,7 +71,7 @@ def run_cli(module: list[str], fault: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(90)
 def test_csbp_run_prints_one_line_and_exits_1():
-    done = run_cli(["-m", "csbp.simulator.cli", "run"], "rank=0,step=2,kind=raise")
+    done = run_cli(["-m", "csbp.simulator.commands.cli", "run"], "rank=0,step=2,kind=raise")
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == "csbp: error: rank 0 failed at step 2: RuntimeError: injected fault (CSBP_FAULT)\n"
 
@@ -79,7 +79,7 @@ def test_csbp_run_prints_one_line_and_exits_1():
 @pytest.mark.timeout(90)
 def test_torchrun_entry_names_the_failing_rank():
     done = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "-m", "csbp.runtime.torchrun"], "rank=1,step=1,kind=raise")
+                    "-m", "csbp.runtime.training.torchrun"], "rank=1,step=1,kind=raise")
     assert done.returncode != 0
     assert "runtime.torchrun: error: rank 1 failed at step 1: RuntimeError: injected fault" in done.stderr
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from csbp.runtime.attention import Attention, _Collective, _Local, _Ring, attention_backward, \
+from csbp.runtime.models.attention import Attention, _Collective, _Local, _Ring, attention_backward, \
     attention_with_lse, merge
-from csbp.runtime.flex_attention import Visibility, flex_attention_with_lse
-from csbp.simulator.layout import Layout
-from csbp.simulator.mask import visible
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.spec import AttentionSpec
-from csbp.simulator.workload import Workload
+from csbp.runtime.models.flex_attention import Visibility, flex_attention_with_lse
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.layout.mask import visible
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.spec import AttentionSpec
+from csbp.simulator.workload.workload import Workload
 from test_runtime_plans import relative_error
 
 TILE = 16  # small tiles: several per call, ragged edges
@@ -214,7 +214,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 def test_compiled_flex_on_cuda_matches_the_exact_path_forward_and_backward():
     """Two key sets merged by LSE (as the K/V exchanges do), differentiated through both
     outputs and LSEs; and the ring's tile backward (through flex) against the explicit one."""
-    from csbp.runtime.attention import tile_backward
+    from csbp.runtime.models.attention import tile_backward
 
     dev = torch.device("cuda")
     picked = CASES[::max(1, len(CASES) // 6)]

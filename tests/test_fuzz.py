@@ -24,9 +24,9 @@ import yaml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from csbp.runtime import launch
-from csbp.simulator.cli import main
-from csbp.simulator.hardware import PROFILE_DIR
+from csbp.runtime.training import launch
+from csbp.simulator.commands.cli import main
+from csbp.simulator.system.hardware import PROFILE_DIR
 
 SLOW_S = 15  # an input that takes longer than this counts as a hang
 SECONDS: list[float] = []  # of every call, for the summary line

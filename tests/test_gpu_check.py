@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from csbp.simulator.hardware import load_profile
+from csbp.simulator.system.hardware import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

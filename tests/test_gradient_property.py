@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from csbp.runtime.launch import spawn
-from csbp.runtime.train import Job
+from csbp.runtime.training.launch import spawn
+from csbp.runtime.training.train import Job
 from csbp.simulator.errors import InputError
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec, MoESpec
+from csbp.simulator.workload.workload import Workload
 from test_runtime_plans import TOLERANCE, gradient_floor, reference, relative_error
 
 WORLD = 2
@@ -93,9 +93,9 @@ def _updated_reference(job: Job):
     zero (as after the replicated runtime's all-reduce), and the gradients' floor."""
     import torch
 
-    from csbp.runtime.model import BlockDiffusionLM
-    from csbp.runtime.plans.reference import reference_work
-    from csbp.runtime.train import LEARNING_RATE
+    from csbp.runtime.models.model import BlockDiffusionLM
+    from csbp.runtime.distributed.plans.reference import reference_work
+    from csbp.runtime.training.train import LEARNING_RATE
 
     m = BlockDiffusionLM(job.model, seed=job.seed)
     before = {n: p.detach().double().numpy().copy() for n, p in m.named_parameters()}
@@ -132,7 +132,7 @@ def test_every_plan_with_sharded_adamw_matches_the_reference_update(drawn):
     Adam's first step moves a weight by lr g / (|g| + eps): elements whose gradient is within a
     few hundred eps of zero turn rounding into visible change, so their updates are not compared
     (their gradients are, in the test above); they must still move no more than AdamW can."""
-    from csbp.runtime.train import LEARNING_RATE
+    from csbp.runtime.training.train import LEARNING_RATE
 
     for job, reports in zip(drawn, spawn(drawn, WORLD, "cpu", 150)):
         before, after, grads = _updated_reference(job)

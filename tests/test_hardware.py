@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from csbp.simulator.errors import InputError
-from csbp.simulator.hardware import PROFILE_DIR, HardwareProfile, interpolate, list_profiles, load_profile
+from csbp.simulator.system.hardware import PROFILE_DIR, HardwareProfile, interpolate, list_profiles, load_profile
 
 SHIPPED = ["h100", "h200"]
 
@@ -186,7 +186,7 @@ def _with_dense(**gpu_overrides):
 
 @pytest.mark.floats
 def test_dense_attention_prices_visible_and_masked_scores():
-    from csbp.simulator.hardware import HardwareProfile
+    from csbp.simulator.system.hardware import HardwareProfile
 
     p = HardwareProfile.model_validate(_with_dense())
     peak = p.gpu.peak_tflops * 1e12
@@ -200,7 +200,7 @@ def test_dense_attention_prices_visible_and_masked_scores():
 
 
 def test_dense_curves_come_all_or_none():
-    from csbp.simulator.hardware import HardwareProfile
+    from csbp.simulator.system.hardware import HardwareProfile
 
     raw = _with_dense()
     del raw["gpu"]["dense_masked_backward_efficiency"]
@@ -210,9 +210,9 @@ def test_dense_curves_come_all_or_none():
 
 @pytest.mark.floats
 def test_host_overhead_shares_cores_like_arithmetic():
-    from csbp.simulator.cost import compute_seconds
-    from csbp.simulator.graph import Compute
-    from csbp.simulator.hardware import HardwareProfile
+    from csbp.simulator.cost.cost import compute_seconds
+    from csbp.simulator.cost.graph import Compute
+    from csbp.simulator.system.hardware import HardwareProfile
 
     raw = _with_dense()
     raw["gpu"]["op_overhead_us"] = {"value": 100.0, "source": "test"}

@@ -5,8 +5,8 @@ import datetime as dt
 
 import yaml
 
-from csbp.runtime.host_identity import HostIdentity, profile_warnings, this_host
-from csbp.simulator.hardware import PROFILE_DIR, load_profile
+from csbp.runtime.calibration.host_identity import HostIdentity, profile_warnings, this_host
+from csbp.simulator.system.hardware import PROFILE_DIR, load_profile
 
 HERE = HostIdentity(host="here", cpu_model="Test CPU 9000", cpus=2, torch="2.13.0", date="2026-11-30")
 

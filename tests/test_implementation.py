@@ -6,19 +6,19 @@ import random
 import numpy as np
 import pytest
 
-from csbp.simulator import kv_rows, mask
-from csbp.simulator.cost import GB, seconds
+from csbp.simulator.layout import kv_rows, mask
+from csbp.simulator.cost.cost import GB, seconds
 from csbp.simulator.engine import program, simulate_graph
 from csbp.simulator.errors import InputError
-from csbp.simulator.graph import Compute, StepGraph
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.implementation import Implementation, load_implementation
-from csbp.simulator.layout import Layout, kv_row_bytes
-from csbp.simulator.plan import Plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.simulate import simulate
-from csbp.simulator.tiles import tile_counts
-from csbp.simulator.workload import Workload
+from csbp.simulator.cost.graph import Compute, StepGraph
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.system.implementation import Implementation, load_implementation
+from csbp.simulator.layout.layout import Layout, kv_row_bytes
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.layout.tiles import tile_counts
+from csbp.simulator.workload.workload import Workload
 
 M8 = load_model("nemotron-diffusion-8b")
 K64 = 64 * 1024
@@ -229,7 +229,7 @@ def test_windowed_full_tiles_are_exact():
 
 
 def test_simulate_command_reports_the_implementation(capsys):
-    from csbp.simulator.cli import main
+    from csbp.simulator.commands.cli import main
 
     rc = main(["simulate", "--plan", "dp=2,cp=8", "--seq-len", "64k", "--implementation", "ideal", "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -240,7 +240,7 @@ def test_simulate_command_reports_the_implementation(capsys):
 
 
 def test_placement_is_searched_where_it_changes_groups():
-    from csbp.simulator.planner import STRIPED_PLACEMENT, enumerate_space
+    from csbp.simulator.planner.planner import STRIPED_PLACEMENT, enumerate_space
 
     w = Workload(seq_len=K64)
     two = enumerate_space(M8, w, 16, ("full",), gpus_per_node=8).candidates
@@ -252,7 +252,7 @@ def test_placement_is_searched_where_it_changes_groups():
 
 @pytest.mark.floats
 def test_striped_context_group_moves_kv_across_nodes(h200):
-    from csbp.simulator.planner import STRIPED_PLACEMENT
+    from csbp.simulator.planner.planner import STRIPED_PLACEMENT
 
     w = Workload(seq_len=4 * K64)
     inside = simulate(M8, w, Plan(dp=2, cp=8), h200, 2)
@@ -262,7 +262,7 @@ def test_striped_context_group_moves_kv_across_nodes(h200):
 
 @pytest.mark.floats
 def test_plan_json_carries_speedup_by_implementation(capsys):
-    from csbp.simulator.cli import main
+    from csbp.simulator.commands.cli import main
 
     rc = main(["plan", "--seq-len", "64k", "--nodes", "1", "--top", "2", "--json"])
     out = json.loads(capsys.readouterr().out)

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from csbp.simulator.objectives import default_objective
+from csbp.simulator.workload.objectives import default_objective
 from csbp.simulator.errors import InputError
 from csbp.simulator.interop import FORMATS, emit, read
 from csbp.simulator.interop.turbo_dllm import STRIPED_PLACEMENT
-from csbp.simulator.plan import DEFAULT_PLACEMENT, Plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import DEFAULT_PLACEMENT, Plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.workload import Workload
 
 GOLDEN = Path(__file__).parent / "golden" / "interop"
 MODELS = ("nemotron-diffusion-8b", "qwen3-8b", "diffusiongemma-26b-a4b", "tiny")

@@ -6,12 +6,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from csbp.simulator import kv_rows, mask, pairs
-from csbp.simulator.layout import Layout
-from csbp.simulator.objective_layout import AnchorLayout
-from csbp.simulator.pairs import QueryIntervals
-from csbp.simulator.plan import Plan
-from csbp.simulator.spec import AttentionSpec
+from csbp.simulator.layout import kv_rows, mask, pairs
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.layout.objective_layout import AnchorLayout
+from csbp.simulator.layout.pairs import QueryIntervals
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.spec import AttentionSpec
 
 from test_layout import FULL, layouts, sliding
 

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from csbp.simulator import mask
+from csbp.simulator.layout import mask
 from csbp.simulator.errors import InputError
-from csbp.simulator.layout import Layout, assign_blocks, attention_bytes_received
-from csbp.simulator.plan import Plan, parse_plan
-from csbp.simulator.spans import normalize, size
-from csbp.simulator.spec import AttentionSpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.layout.layout import Layout, assign_blocks, attention_bytes_received
+from csbp.simulator.plan.plan import Plan, parse_plan
+from csbp.simulator.layout.spans import normalize, size
+from csbp.simulator.workload.spec import AttentionSpec
+from csbp.simulator.workload.workload import Workload
 
 FULL = AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=8)
 

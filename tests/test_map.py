@@ -7,11 +7,11 @@ import json
 import pandas as pd
 import pytest
 
-from csbp.simulator import planner
-from csbp.simulator.cli import main
-from csbp.simulator.map_reading import read_map
-from csbp.simulator.planner import label_of
-from csbp.simulator.result import Result
+from csbp.simulator.planner import planner
+from csbp.simulator.commands.cli import main
+from csbp.simulator.grids.map_reading import read_map
+from csbp.simulator.planner.planner import label_of
+from csbp.simulator.report.result import Result
 from test_planner import fake_result
 
 

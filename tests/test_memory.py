@@ -6,16 +6,16 @@ import re
 import numpy as np
 import pytest
 
-from csbp.simulator import memory_timeline
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.layout import Layout, kv_row_bytes
-from csbp.simulator.memory import (OPTIMIZER_BYTES_PER_PARAM, estimate_memory, loss_chunk_tokens,
+from csbp.simulator.cost import memory_timeline
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.layout.layout import Layout, kv_row_bytes
+from csbp.simulator.cost.memory import (OPTIMIZER_BYTES_PER_PARAM, estimate_memory, loss_chunk_tokens,
                                    step_timeline, weight_state)
-from csbp.simulator.plan import Plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.result import GIB
-from csbp.simulator.simulate import simulate
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.report.result import GIB
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.workload.workload import Workload
 
 M8 = load_model("nemotron-diffusion-8b")
 # byte figures as numpy sums and matmuls against their formulas: tests/README.md

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from csbp.simulator.errors import InputError
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.layout import Layout
-from csbp.simulator.memory import estimate_memory
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.spec import AttentionSpec, ModelSpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.cost.memory import estimate_memory
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload.workload import Workload
 
 # the stated agreement, per configuration: the bound on the median error of
 # `csbp validate` (10 %); measured errors on the validation suite are within 4 %
@@ -55,8 +55,8 @@ def configurations(draw):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(st.lists(configurations(), min_size=4, max_size=4, unique_by=lambda c: c[2].label()))
 def test_model_peak_equals_the_runtime_tracked_peak(configs):
-    from csbp.runtime.launch import spawn
-    from csbp.runtime.train import Job, summarize
+    from csbp.runtime.training.launch import spawn
+    from csbp.runtime.training.train import Job, summarize
 
     profile = load_profile("cpu-measured")
     jobs = [Job(m, w, p, steps=1, warmup=1) for m, w, p in configs]

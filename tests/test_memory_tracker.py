@@ -3,7 +3,7 @@ peak kept, tensors alive at the start included, and tracking ending after the tr
 
 import torch
 
-from csbp.runtime import memory_tracker
+from csbp.runtime.memory import memory_tracker
 
 MIB = 2**20
 

@@ -4,18 +4,18 @@ DiffusionGemma's role passes, the drafter's anchors, storage read and frozen hea
 import numpy as np
 import pytest
 
-from csbp.simulator.cost import seconds as cost_seconds
-from csbp.simulator.graph import Comm, Compute, StepGraph, delta_rule_flops_per_token
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.layout import Layout
-from csbp.simulator.memory import estimate_memory, weight_state
-from csbp.simulator.objective_layout import AnchorLayout, anchor_blocks, canvas_view
-from csbp.simulator.objectives import objective_shape
-from csbp.simulator.plan import Plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.simulate import simulate
-from csbp.simulator.spans import intersect, normalize, size
-from csbp.simulator.workload import Workload
+from csbp.simulator.cost.cost import seconds as cost_seconds
+from csbp.simulator.cost.graph import Comm, Compute, StepGraph, delta_rule_flops_per_token
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.cost.memory import estimate_memory, weight_state
+from csbp.simulator.layout.objective_layout import AnchorLayout, anchor_blocks, canvas_view
+from csbp.simulator.workload.objectives import objective_shape
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.layout.spans import intersect, normalize, size
+from csbp.simulator.workload.workload import Workload
 
 TINY = load_model("tiny")
 # flops, bytes and times as numpy sums against their formulas: tests/README.md

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import csbp
-from csbp.simulator.cli import main
+from csbp.simulator.commands.cli import main
 
 TINY = {"model": "tiny", "seq_len": "1024", "block_size": 64, "nodes": 1}
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "1024", "--block-size", "64", "--nodes", "1"]
@@ -57,3 +57,24 @@ def test_only_the_csbp_namespace_is_installed(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           timeout=50)
     assert json.loads(done.stdout) == [False, False, False, True, True, True], done.stderr
+
+
+def test_every_module_sits_in_one_stage_folder():
+    """The tree shows the architecture (docs/architecture.md): simulator/ and runtime/ hold stage
+    folders only, each named in the architecture table, and pyproject installs every one of them."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    table = (root / "docs" / "architecture.md").read_text()
+    installed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    for top, loose in (("simulator", {"__init__.py", "errors.py"}), ("runtime", {"__init__.py"})):
+        here = root / top
+        assert {p.name for p in here.glob("*.py")} == loose, f"modules loose in {top}/"
+        for folder in (p for p in here.iterdir() if p.is_dir() and p.name != "__pycache__"):
+            assert (folder / "__init__.py").exists(), folder
+            assert f"`{top}/{folder.name}/" in table, f"{top}/{folder.name}/ is not in the architecture table"
+            for package in (folder, *(p for p in folder.iterdir() if (p / "__init__.py").exists())):
+                name = ".".join(("csbp", *package.relative_to(root).parts))
+                assert name in installed, f"{name} is not in pyproject's packages"

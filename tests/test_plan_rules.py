@@ -1,4 +1,4 @@
-"""The shape rules (simulator/plan_rules.py): the planner proposes only plans frameworks can run,
+"""The shape rules (simulator/plan/rules.py): the planner proposes only plans frameworks can run,
 and `csbp simulate`, `csbp run` and the runtime refuse the others with the same line (issue 27).
 
 `runnable()` below is an independent statement of the rules the issue names (TP divides every
@@ -14,16 +14,16 @@ import json
 import pytest
 
 import csbp
-from csbp.simulator import plan_rules
-from csbp.simulator.cli import main as csbp_main
+from csbp.simulator.plan import rules as plan_rules
+from csbp.simulator.commands.cli import main as csbp_main
 from csbp.simulator.errors import InputError
-from csbp.simulator.hf_config import model_from_hf_config
-from csbp.simulator.objectives import default_objective
-from csbp.simulator.plan import Plan
-from csbp.simulator.planner import enumerate_space, family, plan_of
-from csbp.simulator.presets import PRESET_NAMES, load_model
-from csbp.simulator.spec import AttentionSpec, ModelSpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.workload.hf_config import model_from_hf_config
+from csbp.simulator.workload.objectives import default_objective
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.planner.planner import enumerate_space, family, plan_of
+from csbp.simulator.workload.presets import PRESET_NAMES, load_model
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
+from csbp.simulator.workload.workload import Workload
 
 K = 1024
 QWEN3 = load_model("qwen3-8b")  # 32 query heads, 8 K/V heads
@@ -158,7 +158,7 @@ def test_simulate_and_run_refuse_tp_over_kv_heads_with_the_rule_line(capsys):
 
 
 def test_runtime_refuses_what_the_rules_refuse():
-    from csbp.runtime.plans import check_supported
+    from csbp.runtime.distributed.plans import check_supported
 
     w = Workload(seq_len=4 * K, block_size=256, objective="bd3lm")
     for plan, line in [(Plan(tp=16), KV_LINE), (Plan(tp=64), "tp=64 does not divide 32 attention heads")]:

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from csbp.simulator import planner
+from csbp.simulator.planner import planner
 from csbp.simulator.errors import InputError
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.plan import Plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.result import Result
-from csbp.simulator.workload import Workload
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.report.result import Result
+from csbp.simulator.workload.workload import Workload
 
 TINY = load_model("tiny")  # 4 heads, 2 KV heads, dense
 WL = Workload(seq_len=4096, block_size=256)
@@ -123,7 +123,7 @@ def test_impossible_cluster(h200, fake_engine):
 # ---- the command ---------------------------------------------------------------------------
 
 def csbp(*argv):
-    from csbp.simulator.cli import main
+    from csbp.simulator.commands.cli import main
 
     return main(list(argv))
 
@@ -163,7 +163,7 @@ def test_torchrun_command():
 
     assert torchrun_command(2, 8, "plan.json") == (
         "torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 "
-        "--nproc-per-node 8 -m csbp.runtime.torchrun --plan plan.json")
+        "--nproc-per-node 8 -m csbp.runtime.training.torchrun --plan plan.json")
     assert torchrun_command(1, 8, "p.json").startswith("torchrun --standalone --nproc-per-node 8")
 
 
@@ -175,7 +175,7 @@ def test_axes_restrict_the_space():
 
 
 def test_out_writes_a_runtime_plan_file(fake_engine, tmp_path, capsys):
-    from csbp.simulator import planfile
+    from csbp.simulator.planner import planfile
 
     path = tmp_path / "plan.json"
     argv = ["plan", "--model", "tiny", "--seq-len", "4096", "--nodes", "1", "--axes", "dp,cp,bp",
@@ -187,7 +187,7 @@ def test_out_writes_a_runtime_plan_file(fake_engine, tmp_path, capsys):
     assert pf.model == "tiny" and pf.nodes == 1 and pf.hardware == "h200"
     assert pf.plan.bp == rec["plan"]["bp"] and pf.plan.tp == 1
     assert pf.workload.checkpointing == rec["workload"]["checkpointing"]
-    assert out["torchrun"].endswith(f"-m csbp.runtime.torchrun --plan {path}")
+    assert out["torchrun"].endswith(f"-m csbp.runtime.training.torchrun --plan {path}")
 
 
 def test_bad_axes(capsys):

@@ -22,10 +22,10 @@ from unittest import mock
 
 import pytest
 
-from csbp.simulator.cli import build_parser
+from csbp.simulator.commands.cli import build_parser
 from csbp.simulator.commands import plan as plan_command
 from csbp.simulator.commands.plan import answer
-from csbp.simulator.planner import label_of, search
+from csbp.simulator.planner.planner import label_of, search
 
 GOLDEN = Path(__file__).parent / "golden" / "planner.json"
 # recorded floats and rankings: tests/README.md

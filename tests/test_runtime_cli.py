@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from csbp.simulator import planfile
-from csbp.simulator.plan import Plan
-from csbp.simulator.workload import Workload
+from csbp.simulator.planner import planfile
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.workload import Workload
 
 SMALL = ["--seq-len", "64", "--block-size", "8", "--steps", "1", "--warmup", "0"]
 KEYS = {"step_time_s", "loss", "peak_memory_gib", "attention_bytes_counted",
@@ -18,7 +18,7 @@ KEYS = {"step_time_s", "loss", "peak_memory_gib", "attention_bytes_counted",
 
 
 def csbp(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "csbp.simulator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "csbp.simulator.commands.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -70,7 +70,7 @@ def test_a_recommended_expert_parallel_plan_runs_from_its_plan_file(tmp_path):
 def test_torchrun_entry_runs_a_plan():
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "csbp.runtime.torchrun", *SMALL, "--plan", "bp=2", "--json"],
+         "-m", "csbp.runtime.training.torchrun", *SMALL, "--plan", "bp=2", "--json"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from csbp.runtime.launch import spawn
-from csbp.runtime.model import BlockDiffusionLM
-from csbp.runtime.plans.reference import reference_work
-from csbp.runtime.train import Job
-from csbp.simulator.layout import Layout, attention_bytes_received
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
-from csbp.simulator.workload import Workload
+from csbp.runtime.training.launch import spawn
+from csbp.runtime.models.model import BlockDiffusionLM
+from csbp.runtime.distributed.plans.reference import reference_work
+from csbp.runtime.training.train import Job
+from csbp.simulator.layout.layout import Layout, attention_bytes_received
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec, MoESpec
+from csbp.simulator.workload.workload import Workload
 
 # Relative, on the loss and on each weight's gradient (as a whole: norm of the difference over the
 # norm). Basis: both sides compute in fp32 (unit roundoff 6e-8) but reduce in different orders

@@ -17,14 +17,14 @@ from functools import cache
 import numpy as np
 import pytest
 
-from csbp.runtime.comm import CATEGORIES
-from csbp.runtime.launch import spawn
-from csbp.runtime.train import Job
-from csbp.simulator.graph import StepGraph
-from csbp.simulator.layout import Layout
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
+from csbp.runtime.distributed.comm import CATEGORIES
+from csbp.runtime.training.launch import spawn
+from csbp.runtime.training.train import Job
+from csbp.simulator.cost.graph import StepGraph
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec, MoESpec
 from test_runtime_plans import (NO_RECOMPUTE, SEVEN_BLOCKS, TOLERANCE, gradient_floor, reference,
                                 relative_error)
 

@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from csbp.simulator import planfile
-from csbp.runtime.attention import attention_backward, attention_with_lse, merge
-from csbp.runtime.model import BlockDiffusionLM
-from csbp.runtime.objective import make_batch
+from csbp.simulator.planner import planfile
+from csbp.runtime.models.attention import attention_backward, attention_with_lse, merge
+from csbp.runtime.models.model import BlockDiffusionLM
+from csbp.runtime.models.objective import make_batch
 from csbp.simulator.errors import InputError
-from csbp.simulator.mask import visible
-from csbp.simulator.plan import Plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.spec import AttentionSpec, ModelSpec, MoESpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.layout.mask import visible
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec, MoESpec
+from csbp.simulator.workload.workload import Workload
 
 L, B = 12, 4  # 2L = 24 positions, 3 blocks
 # The exact attention against torch's softmax, and tiles merged by LSE against one call: float64,
@@ -147,8 +147,8 @@ def test_bad_plan_files_are_one_line_input_errors(tmp_path, content, message):
 @pytest.mark.timeout(120)
 def test_a_spawned_rank_reports_its_own_peak_memory_not_its_launchers():
     """ru_maxrss survives fork + exec on Linux; the rank must read its own VmHWM."""
-    from csbp.runtime.launch import spawn
-    from csbp.runtime.train import Job
+    from csbp.runtime.training.launch import spawn
+    from csbp.runtime.training.train import Job
 
     ballast = bytearray(1024**3)  # the launcher's peak: 1 GiB more than a tiny rank needs
     ballast[::4096] = b"\x01" * len(ballast[::4096])

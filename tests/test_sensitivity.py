@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from csbp.simulator import planner, sensitivity
-from csbp.simulator.cli import main
-from csbp.simulator.result import Result
+from csbp.simulator.planner import planner
+from csbp.simulator.grids import sensitivity
+from csbp.simulator.commands.cli import main
+from csbp.simulator.report.result import Result
 
 
 def borderline(model, workload, plan, profile, nodes, engine="closed-form", overlap=True, with_trace=True):

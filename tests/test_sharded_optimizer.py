@@ -17,21 +17,21 @@ import numpy as np
 import pytest
 import torch
 
-from csbp.runtime.comm import CATEGORIES, Comm
-from csbp.runtime.launch import spawn
-from csbp.runtime.mesh import Mesh
-from csbp.runtime.model import BlockDiffusionLM
-from csbp.runtime.plans import check_supported
-from csbp.runtime.plans.reference import reference_work
-from csbp.runtime.sharded_optimizer import ShardedAdamW
-from csbp.runtime.train import LEARNING_RATE, Job
+from csbp.runtime.distributed.comm import CATEGORIES, Comm
+from csbp.runtime.training.launch import spawn
+from csbp.runtime.distributed.mesh import Mesh
+from csbp.runtime.models.model import BlockDiffusionLM
+from csbp.runtime.distributed.plans import check_supported
+from csbp.runtime.distributed.plans.reference import reference_work
+from csbp.runtime.distributed.sharded_optimizer import ShardedAdamW
+from csbp.runtime.training.train import LEARNING_RATE, Job
 from csbp.simulator.errors import InputError
-from csbp.simulator.graph import StepGraph
-from csbp.simulator.layout import Layout
-from csbp.simulator.plan import parse_plan
-from csbp.simulator.presets import load_model
-from csbp.simulator.spec import ModelSpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.cost.graph import StepGraph
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.plan.plan import parse_plan
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.workload.spec import ModelSpec
+from csbp.simulator.workload.workload import Workload
 from test_runtime_plans import SEVEN_BLOCKS, relative_error
 from test_runtime_tp_ep import BALANCED, DENSE
 

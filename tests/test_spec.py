@@ -5,7 +5,7 @@ import json
 import pytest
 
 from csbp.simulator.errors import InputError
-from csbp.simulator.presets import PRESET_NAMES, load_model
+from csbp.simulator.workload.presets import PRESET_NAMES, load_model
 
 # total / active parameter counts the model cards state (billions), with a loose tolerance for
 # the unverified shapes

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from csbp.simulator.cli_args import DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN
-from csbp.simulator.objectives import default_objective
-from csbp.simulator.graph import StepGraph, _LayerTemplate
-from csbp.simulator.hardware import load_profile
-from csbp.simulator.layout import Layout
-from csbp.simulator.plan import Plan
-from csbp.simulator.planner import label_of, search
-from csbp.simulator.presets import load_model
-from csbp.simulator.simulate import simulate
-from csbp.simulator.workload import Workload, parse_tokens
+from csbp.simulator.commands.cli_args import DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN
+from csbp.simulator.workload.objectives import default_objective
+from csbp.simulator.cost.graph import StepGraph, _LayerTemplate
+from csbp.simulator.system.hardware import load_profile
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.planner.planner import label_of, search
+from csbp.simulator.workload.presets import load_model
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.workload.workload import Workload, parse_tokens
 
 GOLDEN = Path(__file__).parent / "golden" / "speed.json"
 # recorded floats, compared relatively (assert_close): tests/README.md

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from csbp.simulator.cli import main
+from csbp.simulator.commands.cli import main
 from test_planner import fake_engine  # noqa: F401  (fixture)
 
 

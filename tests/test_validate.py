@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from csbp.runtime import validate as v
-from csbp.runtime import validation_report as report
-from csbp.runtime.validation_runs import SuiteRuns, run_places
+from csbp.runtime.validation import validate as v
+from csbp.runtime.validation import validation_report as report
+from csbp.runtime.validation.validation_runs import SuiteRuns, run_places
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _csbp(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "csbp.simulator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "csbp.simulator.commands.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout)
 
 
@@ -138,7 +138,7 @@ def test_normalised_error_takes_the_host_drift_out():
 
 def test_validate_warns_about_a_profile_from_another_host(tmp_path, monkeypatch, capsys):
     """The command end to end on made-up runs: the warning line first, then the JSON with it."""
-    from csbp.simulator.cli import main
+    from csbp.simulator.commands.cli import main
 
     raw = yaml.safe_load((ROOT / "hardware_profiles" / "cpu-measured.yaml").read_text())
     raw |= {"host": "elsewhere", "cpu_model": "Other CPU", "cpus": 64, "torch": "0.0.1", "date": "2020-01-01"}

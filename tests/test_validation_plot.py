@@ -9,7 +9,7 @@ import pytest
 from matplotlib.collections import PathCollection
 from matplotlib.colors import to_rgb
 
-from csbp.runtime.validation_plot import COLORS, figure, log_ticks, plot
+from csbp.runtime.validation.validation_plot import COLORS, figure, log_ticks, plot
 
 
 def _rows() -> list[dict]:

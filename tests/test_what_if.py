@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from csbp.simulator.cli import main
+from csbp.simulator.commands.cli import main
 from csbp.simulator.errors import InputError
-from csbp.simulator.hardware import list_profiles, load_profile
-from csbp.simulator.what_if import SHORT_NAMES, apply
+from csbp.simulator.system.hardware import list_profiles, load_profile
+from csbp.simulator.grids.what_if import SHORT_NAMES, apply
 from test_planner import fake_engine  # noqa: F401  (fixture)
 
 

@@ -1,1 +1,1 @@
-"""One module per `csbp` subcommand (see simulator/cli.py)."""
+"""One module per `csbp` subcommand (see simulator/commands/cli.py)."""

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from csbp.simulator.cli_args import DEFAULT_HARDWARE, add_what_if_arg, profile_from_args
+from csbp.simulator.commands.cli_args import DEFAULT_HARDWARE, add_what_if_arg, profile_from_args
 from csbp.simulator.commands.plan import console, parse_axes
 from csbp.simulator.errors import InputError
-from csbp.simulator.plan import AXES
-from csbp.simulator.planner import available_cores, fmt_tokens
+from csbp.simulator.plan.plan import AXES
+from csbp.simulator.planner.planner import available_cores, fmt_tokens
 
 
 def add_grid_args(p: argparse.ArgumentParser, *, seq_lens: str, gpus: str, out_dir: str,
@@ -50,7 +50,7 @@ def search_grid(args: argparse.Namespace, models: list[str], title: str, describ
     """Check the flags, then plan every cell with a progress bar on stderr. `title` may name the
     profile as `{profile}` (it is known only once the what-if is applied); `describe(cell)` is
     the bar's text once a cell is done."""
-    from csbp.simulator.grid import cells, search_cells, split_list
+    from csbp.simulator.grids.grid import cells, search_cells, split_list
 
     jobs = available_cores() if args.jobs is None else args.jobs
     if jobs < 1:

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.table import Table
 
-from csbp.simulator.cli_args import DEFAULT_MODEL
+from csbp.simulator.commands.cli_args import DEFAULT_MODEL
 from csbp.simulator.commands.grid_args import add_grid_args, cell_text, search_grid
 from csbp.simulator.commands.plan import console
-from csbp.simulator.planner import fmt_tokens
-from csbp.simulator.report import print_json
+from csbp.simulator.planner.planner import fmt_tokens
+from csbp.simulator.report.report import print_json
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -45,9 +45,9 @@ def slug(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from csbp.simulator.decision_map import map_table  # pandas: slow import
-    from csbp.simulator.presets import load_model
-    from csbp.simulator.sweep import save_table
+    from csbp.simulator.grids.decision_map import map_table  # pandas: slow import
+    from csbp.simulator.workload.presets import load_model
+    from csbp.simulator.grids.sweep import save_table
 
     model_name = load_model(args.model).name
     start = time.perf_counter()
@@ -89,8 +89,8 @@ def write_views(df: pd.DataFrame, out_dir: Path, stem: str, command: str,
                 what_if_lines: list[str]) -> tuple[str, list[Path]]:
     """The heatmap and the reading (markdown) of a map table: what `csbp map` writes after its
     search, and what `experiments/maps.py --redraw` writes again from a saved CSV."""
-    from csbp.simulator.map_plot import draw_map
-    from csbp.simulator.map_reading import read_map
+    from csbp.simulator.grids.map_plot import draw_map
+    from csbp.simulator.grids.map_reading import read_map
 
     model, hardware = df.model.iloc[0], df.hardware.iloc[0]
     png = draw_map(df, out_dir / f"{stem}.png", f" on {hardware}")
@@ -103,7 +103,7 @@ def write_views(df: pd.DataFrame, out_dir: Path, stem: str, command: str,
 
 
 def _grid_table(df: pd.DataFrame, model: str, hardware: str) -> Table:
-    from csbp.simulator.decision_map import cell_text
+    from csbp.simulator.grids.decision_map import cell_text
 
     lengths, counts = sorted(df.seq_len.unique()), sorted(df.gpus.unique())
     table = Table(title=f"Decision map: {model} on {hardware} (recommended family; best BP / best no-BP)",

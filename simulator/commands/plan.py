@@ -10,22 +10,22 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from csbp.simulator.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN,
+from csbp.simulator.commands.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN,
                                 add_cluster_args, add_from_arg, add_workload_args, imported_inputs,
                                 inputs_from_args, profile_from_args)
 from csbp.simulator.errors import InputError
-from csbp.simulator.plan import AXES, DEFAULT_PLACEMENT
-from csbp.simulator.planner import (STRIPED_PLACEMENT, Search, cluster_gpus, fmt_tokens, label_of, placements,
+from csbp.simulator.plan.plan import AXES, DEFAULT_PLACEMENT
+from csbp.simulator.planner.planner import (STRIPED_PLACEMENT, Search, cluster_gpus, fmt_tokens, label_of, placements,
                                     plan_of, search)
-from csbp.simulator.report import fmt_time, print_json
-from csbp.simulator.presets import PRESET_NAMES, load_model
-from csbp.simulator.result import Result
-from csbp.simulator.simulate import simulate
-from csbp.simulator.workload import Workload
+from csbp.simulator.report.report import fmt_time, print_json
+from csbp.simulator.workload.presets import PRESET_NAMES, load_model
+from csbp.simulator.report.result import Result
+from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.workload.workload import Workload
 
 if TYPE_CHECKING:
-    from csbp.simulator.sensitivity import Sensitivity
-    from csbp.simulator.what_if import WhatIf
+    from csbp.simulator.grids.sensitivity import Sensitivity
+    from csbp.simulator.grids.what_if import WhatIf
 
 DEFAULT_JOB = "Nemotron-Labs-Diffusion 8B at 256K on 2 x 8 H200"
 
@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=None, help="processes for the search (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", metavar="PLAN_JSON", help="write the recommended plan file for "
-                   "`csbp run --plan` and `torchrun -m csbp.runtime.torchrun --plan`")
+                   "`csbp run --plan` and `torchrun -m csbp.runtime.training.torchrun --plan`")
     p.add_argument("--emit", action="append", default=[], metavar="FORMAT",
                    help="also print the plan as turbo-dllm | megatron | torchtitan config "
                         "(repeatable; frameworks without BP get the best plan they can express)")
@@ -82,12 +82,12 @@ def torchrun_command(nodes: int, gpus_per_node: int, plan_file: str) -> str:
     """How to launch the plan file on every node of the cluster."""
     rendezvous = ("--standalone" if nodes == 1 else
                   f"--nnodes {nodes} --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500")
-    return f"torchrun {rendezvous} --nproc-per-node {gpus_per_node} -m csbp.runtime.torchrun --plan {plan_file}"
+    return f"torchrun {rendezvous} --nproc-per-node {gpus_per_node} -m csbp.runtime.training.torchrun --plan {plan_file}"
 
 
 def write_plan_file(found, path: str, hardware: str) -> None:
     """The recommendation as a runtime plan file, with its prediction for later comparison."""
-    from csbp.simulator import planfile
+    from csbp.simulator.planner import planfile
 
     rec, model = found.recommended, found.model
     # A preset travels by name (readable, and the runtime rebuilds the same spec); anything else
@@ -170,11 +170,11 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
     emitted = emit_all(found, args.emit, args.nodes, profile.node.gpus_per_node)
     sens = None
     if args.sensitivity:
-        from csbp.simulator.sensitivity import sensitivity
+        from csbp.simulator.grids.sensitivity import sensitivity
 
         sens = sensitivity(found, axes=searched["axes"], checkpointing=searched.get("checkpointing"),
                            workers=args.jobs)
-    from csbp.simulator.method_vs_implementation import speedup_by_implementation
+    from csbp.simulator.planner.method_vs_implementation import speedup_by_implementation
 
     return Planned(found, args, your_run, command, emitted, what_if, sens,
                    speedup_by_implementation(found, **searched))
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(planned.to_json())
     else:
         _print(found, args, planned.command)
-        from csbp.simulator.method_vs_implementation import reading
+        from csbp.simulator.planner.method_vs_implementation import reading
 
         console().print(f"\n{reading(planned.by_implementation)} ({found.profile.implementation} "
                         "priced the ranking; --implementation NAME|FILE to change it)", highlight=False)
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         for line in planned.what_if.lines():
             console().print(line, highlight=False)
         if planned.sensitivity:
-            from csbp.simulator.sensitivity_table import print_sensitivity
+            from csbp.simulator.grids.sensitivity_table import print_sensitivity
 
             print_sensitivity(console(), planned.sensitivity)
     return 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from csbp.simulator.cli_args import (add_cluster_args, add_from_arg, add_plan_args, add_workload_args,
+from csbp.simulator.commands.cli_args import (add_cluster_args, add_from_arg, add_plan_args, add_workload_args,
                                 imported_inputs, inputs_from_args, plan_from_args, profile_from_args)
-from csbp.simulator.report import print_json, print_result
+from csbp.simulator.report.report import print_json, print_result
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def result_of(args: argparse.Namespace):
     """The simulated step the flags describe (`csbp.simulate(...)` returns it); a --what-if's
     scaled figures are in its notes (and its hardware name), so text and JSON both state them."""
-    from csbp.simulator.simulate import simulate
+    from csbp.simulator.engine.simulate import simulate
 
     what_if = profile_from_args(args)
     profile = what_if.profile
@@ -44,7 +44,7 @@ def result_of(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     result = result_of(args)
     if args.trace:
-        from csbp.simulator.trace import write_trace
+        from csbp.simulator.report.trace import write_trace
 
         write_trace(result, args.trace)
     if args.json:

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.table import Table
 
-from csbp.simulator.cli_args import DEFAULT_MODEL
+from csbp.simulator.commands.cli_args import DEFAULT_MODEL
 from csbp.simulator.commands.grid_args import add_grid_args, cell_text, search_grid
 from csbp.simulator.commands.plan import console
-from csbp.simulator.planner import fmt_tokens
-from csbp.simulator.report import print_json
+from csbp.simulator.planner.planner import fmt_tokens
+from csbp.simulator.report.report import print_json
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -32,9 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from csbp.simulator.decision_map import map_table  # pandas: slow import
-    from csbp.simulator.grid import split_list
-    from csbp.simulator.sweep import plot_sweep, save_table, sweep_table
+    from csbp.simulator.grids.decision_map import map_table  # pandas: slow import
+    from csbp.simulator.grids.grid import split_list
+    from csbp.simulator.grids.sweep import plot_sweep, save_table, sweep_table
 
     found = search_grid(args, split_list(args.models, "models"), "planning",
                         lambda cell: cell_text(cell, with_model=True))

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from csbp.simulator.cost import seconds
-from csbp.simulator.graph import Comm, StepGraph
-from csbp.simulator.hardware import HardwareProfile
-from csbp.simulator.result import TraceEvent
+from csbp.simulator.cost.cost import seconds
+from csbp.simulator.cost.graph import Comm, StepGraph
+from csbp.simulator.system.hardware import HardwareProfile
+from csbp.simulator.report.result import TraceEvent
 
 ENGINES = ("des", "closed-form")
 

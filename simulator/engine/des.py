@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from csbp.simulator.engine import Timeline, program
-from csbp.simulator.graph import Comm, StepGraph
+from csbp.simulator.cost.graph import Comm, StepGraph
 
 
 def run(graph: StepGraph, d: np.ndarray, overlap: bool = True, stretch: np.ndarray | None = None) -> Timeline:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from csbp.simulator.graph import Comm, Group, StepGraph
+from csbp.simulator.cost.graph import Comm, Group, StepGraph
 
 
 def program(graph: StepGraph) -> list[tuple[bool, tuple | None, np.ndarray | None]]:

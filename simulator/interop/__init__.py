@@ -12,8 +12,8 @@ from pathlib import Path
 from csbp.simulator.errors import InputError
 from csbp.simulator.interop import megatron, torchtitan, turbo_dllm
 from csbp.simulator.interop.common import ImportedRun
-from csbp.simulator.plan import Plan
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.workload import Workload
 
 FORMATS = ("turbo-dllm", "megatron", "torchtitan")
 _MODULES = {"turbo-dllm": turbo_dllm, "megatron": megatron, "torchtitan": torchtitan}

@@ -15,12 +15,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from csbp.simulator.objectives import default_objective
+from csbp.simulator.workload.objectives import default_objective
 from csbp.simulator.errors import InputError, one_line
-from csbp.simulator.plan import DEFAULT_PLACEMENT, Plan
-from csbp.simulator.presets import PRESET_NAMES, load_model
-from csbp.simulator.spec import ModelSpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import DEFAULT_PLACEMENT, Plan
+from csbp.simulator.workload.presets import PRESET_NAMES, load_model
+from csbp.simulator.workload.spec import ModelSpec
+from csbp.simulator.workload.workload import Workload
 
 # Checkpoint ids of the presets, so an emitted config names a checkpoint the framework can load.
 # Ids seen in Turbo-dLLM's published recipes, plus the Nemotron 8B/14B ids by analogy with the 3B

@@ -27,10 +27,10 @@ from csbp.simulator.interop.common import (ImportedRun, as_int, check_emittable,
                                       key_for, make_plan, make_workload, objective_of,
                                       require_default_placement, resolve_model,
                                       unknown_key_warnings)
-from csbp.simulator.plan import Plan
-from csbp.simulator.presets import PRESET_NAMES, load_model
-from csbp.simulator.spec import ModelSpec
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.presets import PRESET_NAMES, load_model
+from csbp.simulator.workload.spec import ModelSpec
+from csbp.simulator.workload.workload import Workload
 
 FMT = "megatron"
 RANK_ORDER = "tp-cp-ep-dp"

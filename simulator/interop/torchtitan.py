@@ -26,8 +26,8 @@ from csbp.simulator.interop.common import (ImportedRun, as_int, check_emittable,
                                       key_for, make_plan, make_workload, objective_of,
                                       require_default_placement, resolve_model, settings,
                                       unknown_key_warnings)
-from csbp.simulator.plan import Plan
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.workload import Workload
 
 FMT = "torchtitan"
 RANK_ORDER = "tp-cp-dp_shard-dp_replicate"

@@ -18,8 +18,8 @@ from csbp.simulator.errors import InputError
 from csbp.simulator.interop.common import (ImportedRun, as_bool, as_int, check_emittable, checkpoint_id,
                                       choice, flatten, key_for, make_plan, make_workload,
                                       resolve_model, settings, unknown_key_warnings)
-from csbp.simulator.plan import DEFAULT_PLACEMENT, Plan
-from csbp.simulator.workload import Workload
+from csbp.simulator.plan.plan import DEFAULT_PLACEMENT, Plan
+from csbp.simulator.workload.workload import Workload
 
 FMT = "turbo-dllm"
 # Turbo-dLLM's `inter_node_cp` keeps TP node-local and stripes each CP/BP group over all nodes:

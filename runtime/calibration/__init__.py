@@ -1,0 +1,1 @@
+"""measuring a host into a hardware profile."""

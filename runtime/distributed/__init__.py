@@ -1,0 +1,1 @@
+"""torch.distributed: the counted comm layer, the mesh, one module per parallelism."""

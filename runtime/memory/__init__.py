@@ -1,0 +1,1 @@
+"""memory accounting on CPU ranks as CUDA's caching allocator would see it."""

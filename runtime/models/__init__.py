@@ -1,0 +1,1 @@
+"""the block-diffusion model, its attention kernels and its objective, for real."""

@@ -1,0 +1,1 @@
+"""runtime against prediction: the suite, its runs, its report and plot."""

@@ -1,0 +1,1 @@
+"""the step graph (ops per representative rank), op durations and per-rank memory."""

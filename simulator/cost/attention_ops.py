@@ -1,0 +1,322 @@
+"""The step graph's softmax attention: calls, their kernels and tiles, and the K/V exchange.
+
+How a layer's attention is cut into kernel calls, which kernel family runs each, whether the K/V
+collective is waited on at once or hidden behind the calls over keys already at home, the copies
+around it and its padding are the implementation profile's facts (`implementation.py`); which
+pairs each call computes and which rows move come from the layout. A mixin of the builder
+(`graph._Builder`): it uses the builder's sizes, groups and op constructors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from csbp.simulator.layout import kv_rows, pairs
+from csbp.simulator.system.implementation import Pass
+from csbp.simulator.layout.layout import kv_row_bytes
+from csbp.simulator.layout.pairs import QueryIntervals
+from csbp.simulator.layout.spans import Span, normalize
+from csbp.simulator.workload.spec import AttentionSpec
+from csbp.simulator.cost.step_ops import Comm, Compute, Deps, Phase
+from csbp.simulator.layout.tiles import tile_counts, tiles_aligned
+
+# FlashAttention backward does 5 matmuls against the forward's 2 (FlashAttention-2 paper, sec. 3).
+ATTENTION_BACKWARD_FLOP_RATIO = 2.5
+
+# Combining partial attention by LSE (out = w out_a + w_b out_b, lse = logaddexp): forward reads
+# both partial outputs and writes one, backward reads the output gradient and writes both
+# partial ones and the output; in query x head x head_dim elements (the LSEs are 1/head_dim).
+MERGE_FORWARD_PASSES, MERGE_BACKWARD_PASSES = 3, 4
+
+# Query/key tile of FA3 at head dim <= 256 (kBlockM = 128): masks not aligned to it waste work.
+ATTENTION_KERNEL_TILE = 128
+
+
+class AttentionOps:
+    """Softmax attention layers of the step (mixed into the builder)."""
+
+    def local_keys(self, rank: int) -> tuple[Span, ...]:
+        """Keys a rank has without any exchange: its own positions and the K/V rows it owns."""
+        share = self.lay.shares[rank]
+        return normalize(share.positions + share.owned_kv)
+
+    def facts(self, phase: Phase) -> Pass:
+        """What the implementation runs for this plan family's attention in `phase`."""
+        return self.family.phase(phase)
+
+    def cut(self, pattern: str, phase: Phase) -> str:
+        """How the phase's attention is cut into calls: `none` (one call, keys at home), `ring`
+        (one call per step), or the implementation's split of a collective."""
+        if pattern in ("none", "ring"):
+            return pattern
+        return self.facts(phase).split
+
+    def split(self, a: AttentionSpec, pattern: str, cut: str | None = None) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """The layer kind's attention split, counted once per layout ownership: it depends only on
+        the shares, the window and the cut, which most candidates of a search share."""
+        window = a.window if a.kind == "sliding" else None
+        cut = cut or ("local-remote" if pattern not in ("none", "ring") else pattern)
+        return self.derived(("attention-split", window, pattern, cut),
+                            lambda: self.attention_split(a, window, pattern, cut))
+
+    def attention_split(self, a: AttentionSpec, window: int | None, pattern: str,
+                        cut: str = "local-remote") -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """(name, pairs, keys in the call) per rank, by where the keys come from.
+
+        `whole`: one call over every key after the exchange; `local-remote`: the rank's own
+        positions and owned rows apart from the rows it receives; `noisy-prefix`: the noisy
+        queries over their own blocks apart from every query over the clean prefix; a ring
+        splits the rest by step (the shard of the rank s places back in the ring).
+        """
+        lay = self.lay
+        total = self.derived(("pairs", window), lambda: pairs.totals(lay, window)).astype(float)
+        if pattern == "none":
+            return [("attn", total, self.positions)]
+        if pattern != "ring" and cut == "whole":
+            return [("attn", total, self.positions + kv_rows.received(lay, a, "forward").astype(float))]
+        queries = self.derived(("query-intervals", window),
+                               lambda: [QueryIntervals.of(lay, r, window) for r in range(self.n)])
+        if pattern != "ring":
+            received = kv_rows.received(lay, a, "forward").astype(float)
+            if cut == "noisy-prefix":
+                own = [self.noisy_spans(r) for r in range(self.n)]
+                block = np.array([queries[r].pairs_with(own[r]) for r in range(self.n)], dtype=float)
+                noisy = np.array([sum(z - q for q, z in own[r]) for r in range(self.n)], dtype=float)
+                clean = self.positions - noisy + received
+                return [("attn.noisy-block", block, noisy), ("attn.prefix", total - block, clean)]
+            local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
+            return [("attn.local", local, self.positions), ("attn.remote", total - local, received)]
+        local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
+        parts = [("attn.local", local, self.positions)]
+        owned = kv_rows.owned_rows(lay).astype(float)
+        m = len(self.cp_sync[0])
+        step_pairs = np.zeros((m, self.n))  # [s, rank]: pairs with the shard s places back
+        step_keys = np.zeros((m, self.n))
+        for g in self.cp_sync:
+            shards = [lay.shares[r].owned_kv for r in g]
+            back = (np.arange(m)[:, None] - np.arange(m)[None, :]) % m  # [i, s] -> member i - s
+            for i, r in enumerate(g):
+                with_each = queries[r].pairs_with_each(shards)  # pairs with member j's shard
+                step_pairs[:, r] = with_each[back[i]]
+                step_keys[:, r] = owned[np.array(g)[back[i]]]
+        for s in range(1, m):
+            parts.append((f"attn.ring{s}", step_pairs[s], step_keys[s]))
+        return parts
+
+    def noisy_spans(self, rank: int) -> tuple[Span, ...]:
+        """The noisy positions a rank holds (whole blocks under BP/CSBP)."""
+        L = self.lay.seq_len
+        return tuple((a, min(z, L)) for a, z in self.lay.shares[rank].positions if a < L)
+
+    def call_spans(self, rank: int, name: str) -> tuple[tuple[Span, ...], tuple[Span, ...]]:
+        """(query spans, key spans) of one named call of a rank, for counting its kernel tiles."""
+        L2 = 2 * self.lay.seq_len
+        everything = ((0, L2),)
+        positions = self.lay.shares[rank].positions
+        if name == "attn":
+            return positions, everything
+        if name == "attn.local":
+            return positions, self.local_keys(rank)
+        if name == "attn.remote":
+            local, out, at = self.local_keys(rank), [], 0
+            for a, z in local:
+                if a > at:
+                    out.append((at, a))
+                at = z
+            return positions, tuple(out) + (((at, L2),) if at < L2 else ())
+        if name == "attn.noisy-block":
+            own = self.noisy_spans(rank)
+            return own, own
+        if name == "attn.prefix":
+            return positions, ((self.lay.seq_len, L2),)
+        raise KeyError(name)
+
+    def tiles(self, a: AttentionSpec, name: str, pack: bool, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(full, partial) kernel tiles per rank of one call, in tiles per query head (per K/V
+        head when GQA heads are packed: then a tile holds 128 / group positions), or None for a
+        ring step (priced by pairs, its masked flag standing for partial tiles) [U]."""
+        if name.startswith("attn.ring"):
+            return None
+        window = a.window if a.kind == "sliding" else None
+        group = max(1, a.n_heads // max(a.n_kv_heads, 1)) if pack else 1
+        rows = max(1, ATTENTION_KERNEL_TILE // group)
+
+        def count():
+            out = np.zeros((2, self.n))
+            for r in range(self.n):
+                q, k = self.call_spans(r, name)
+                if tiles_aligned(q, k, self.lay.seq_len, self.lay.block, window, rows, ATTENTION_KERNEL_TILE):
+                    out[0, r] = pairs[r] / (rows * ATTENTION_KERNEL_TILE)  # every touched tile is full
+                else:
+                    out[:, r] = tile_counts(q, k, self.lay.seq_len, self.lay.block, window, rows,
+                                            ATTENTION_KERNEL_TILE)
+            return out
+        return self.derived(("tiles", name, window, rows), count)
+
+    def attention_work(self, a: AttentionSpec, part: tuple, backward: bool, kernel: str = "best",
+                       pack: bool = False) -> Compute:
+        """pairs x 4 x head_dim x heads/tp forward (QK^T and PV), 2.5x that backward; and the
+        same for the kernel tiles the call really computes (`tiles.py`)."""
+        name, pairs, keys = part
+        per_pair = self.w.micro_batch * 4 * a.head_dim * a.n_heads / self.tp
+        if backward:
+            per_pair *= ATTENTION_BACKWARD_FLOP_RATIO
+        queries = self.noisy / self.w.micro_batch if name == "attn.noisy-block" else self.positions
+        tile = pairs / np.maximum(queries, 1)
+        masked = a.kind == "sliding" or self.w.block_size % ATTENTION_KERNEL_TILE != 0
+        counted = self.tiles(a, name, pack, pairs)
+        full = partial = ()
+        if counted is not None:
+            group = max(1, a.n_heads // max(a.n_kv_heads, 1)) if pack else 1
+            rows = max(1, ATTENTION_KERNEL_TILE // group) * group  # packed: whole positions per tile
+            heads = (a.n_kv_heads if pack else a.n_heads) / self.tp
+            per_tile = self.w.micro_batch * 4 * rows * ATTENTION_KERNEL_TILE * a.head_dim * heads
+            if backward:
+                per_tile *= ATTENTION_BACKWARD_FLOP_RATIO
+            full, partial = self.per_rank(counted[0] * per_tile), self.per_rank(counted[1] * per_tile)
+        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(pairs * per_pair),
+                       self.per_rank(0), 1, self.per_rank(tile), masked,
+                       self.per_rank(queries * keys * per_pair), kernel, full, partial)
+
+    def kv_comm(self, a: AttentionSpec, phase: Phase, step: int, payload: str | None) -> Comm | None:
+        """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank (counted
+        from the ownership by `kv_rows`, equal to the exchange's transfers). An implementation
+        that pads collectives sizes every member's buffer by the group's largest shard; dK/dV
+        travel in its gradient dtype."""
+        rows = kv_rows.step_received(self.lay, a, phase, step, payload)
+        pattern = self.pattern(a, phase)
+        facts = self.facts(phase)
+        if pattern == "all-gather" and facts.pad_to_largest_shard:
+            rows = self.padded_rows()
+        gradients = phase == "backward" and (pattern != "ring" or payload == "dkv")
+        dt = facts.gradient_bytes or self.dt if gradients else self.dt
+        nbytes = rows * kv_row_bytes(a, dt, self.tp) * self.w.micro_batch
+        if pattern == "ring":
+            return self.comm("p2p", nbytes, self.g_ring, "attention-kv", kv_rows.ring_senders(self.lay))
+        collective = "all-to-all" if pattern == "all-to-all" else (
+            "reduce-scatter" if phase == "backward" else "all-gather")
+        return self.comm(collective, nbytes, self.g_cp, "attention-kv")
+
+    def padded_rows(self) -> np.ndarray:
+        """Rows each member receives in an all-gather padded to its group's largest shard."""
+        owned = kv_rows.owned_rows(self.lay).astype(float)
+        out = np.zeros(self.n)
+        for g in self.cp_sync:
+            idx = list(g)
+            out[idx] = (len(g) - 1) * owned[idx].max()
+        return out
+
+    def attend(self, li: int, a: AttentionSpec, phase: Phase, pattern: str, part: int, *deps: Deps) -> Deps:
+        """Append attention of the rank's queries over one key part of the layer kind's split,
+        on the kernel family the implementation runs for that call."""
+        backward = phase == "backward"
+        cut = self.cut(pattern, phase)
+        split = self.split(a, pattern, cut)
+        name = split[part][0]
+        call = "ring" if name.startswith("attn.ring") else name.removeprefix("attn.")
+        if self.keys_at_home:  # the bound: the fastest kernel the phase runs, the fewer tiles
+            kernel, pack = "|".join(sorted(set(self.facts(phase).kernels.values()))), "auto"
+        else:
+            facts = self.facts(phase)
+            kernel, pack = facts.kernel(call), facts.packs(call)
+
+        def work_of(packed: bool) -> Compute:
+            return self.attention_work(a, split[part], backward, kernel, packed)
+
+        def fewer_tiles() -> Compute:  # packing GQA heads into query tiles when it wastes less
+            both = [work_of(False), work_of(True)]
+            return min(both, key=lambda w: sum(w.full_tile_flops) + sum(w.partial_tile_flops))
+        work = self.cached(("attn", a, pattern, cut, part, backward, kernel, pack),
+                           fewer_tiles if pack == "auto" else lambda: work_of(pack))
+        return self.add(name, phase, li, work, *deps)
+
+    def merge(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
+        """Combine two partial attention outputs by their LSE (memory-bound, per query row)."""
+        passes = MERGE_BACKWARD_PASSES if phase == "backward" else MERGE_FORWARD_PASSES
+        work = self.cached(("merge", a, passes), lambda: self.memory_bound(
+            passes * self.positions * self.w.micro_batch * a.n_heads / self.tp * a.head_dim * self.dt))
+        return self.add("attn.merge", phase, li, work, *deps)
+
+    def pack_kv(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
+        """Copy the K/V rows a rank sends into one buffer (read + write; backward: their
+        gradients added back into dK/dV). All-gather sends one shard to every member, so it is
+        packed once."""
+        nbytes = 2 * kv_rows.packed_rows(self.lay, a) * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
+        work = self.cached(("pack", a, phase == "backward"), lambda: self.memory_bound(
+            nbytes * (1.5 if phase == "backward" else 1.0)))
+        return self.add("kv.pack", phase, li, work, *deps)
+
+    def move_kv(self, name: str, li: int, a: AttentionSpec, phase: Phase, step: int,
+                payload: str | None, *deps: Deps) -> Deps:
+        """Append one step of the layer kind's K/V exchange in `phase` (rows from the layout)."""
+        work = self.cached(("kv", a, phase, step, payload), lambda: self.kv_comm(a, phase, step, payload))
+        return self.add(name, phase, li, work, *deps)
+
+    def pattern(self, a: AttentionSpec, phase: Phase) -> str:
+        return "none" if self.keys_at_home else kv_rows.pattern(self.lay, a, phase)
+
+    def copies(self, name: str, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
+        """Copies the implementation puts on the critical path around a collective: full passes
+        (read + write) over every K/V row of the call, or their dK/dV in the gradient dtype."""
+        facts = self.facts(phase)
+        if not facts.copy_passes:
+            return self.add(name, phase, li, None, *deps)
+        backward = phase == "backward"
+        dt = (facts.gradient_bytes or self.dt) if backward else self.dt
+        rows = self.positions + kv_rows.received(self.lay, a, "forward")
+        work = self.cached(("copies", a, phase), lambda: self.memory_bound(
+            facts.copy_passes * 2 * rows * kv_row_bytes(a, dt, self.tp) * self.w.micro_batch))
+        return self.add(name, phase, li, work, *deps)
+
+    def attention_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
+        """Attention over keys at home runs while the rest arrive, unless the implementation
+        waits on the exchange at once; the call over received keys waits for them."""
+        pattern = self.pattern(a, phase)
+        if pattern == "none":
+            return self.attend(li, a, phase, pattern, 0, x)
+        if pattern != "ring":
+            gather = self.move_kv("kv.gather", li, a, phase, 0, None, self.pack_kv(li, a, phase, x))
+            ready = self.copies("kv.reorder", li, a, phase, gather)
+            if self.cut(pattern, phase) == "whole":
+                return self.attend(li, a, phase, pattern, 0, x, ready)
+            waited = ready if self.facts(phase).exchange == "immediate" else ()
+            local = self.attend(li, a, phase, pattern, 0, x, waited)
+            return self.merge(li, a, phase, self.attend(li, a, phase, pattern, 1, local, ready))
+        # ring with two K/V buffers: step s lands once step s-2 has been consumed
+        done, kv = [self.attend(li, a, phase, pattern, 0, x)], x
+        for s in range(1, len(self.split(a, pattern))):
+            kv = self.move_kv(f"kv.ring{s}", li, a, phase, s - 1, None, kv, done[s - 2] if s >= 2 else ())
+            done.append(self.merge(li, a, phase, self.attend(li, a, phase, pattern, s, done[-1], kv)))
+        return done[-1]
+
+    def attention_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
+        """Remote pairs first, so their dK/dV travel home while the local backward runs (unless
+        the implementation waits on the reduce-scatter at once)."""
+        ph: Phase = "backward"
+        pattern = self.pattern(a, ph)
+        if pattern == "none":
+            return self.attend(li, a, ph, pattern, 0, x)
+        if pattern != "ring":
+            if self.cut(pattern, ph) == "whole":
+                call = self.attend(li, a, ph, pattern, 0, x)
+                scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, self.copies("dkv.copies", li, a, ph, call))
+                return self.pack_kv(li, a, ph, scatter, call)
+            remote = self.attend(li, a, ph, pattern, 1, self.merge(li, a, ph, x))
+            scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, self.copies("dkv.copies", li, a, ph, remote))
+            waited = scatter if self.facts(ph).exchange == "immediate" else ()
+            local = self.attend(li, a, ph, pattern, 0, remote, waited)  # while dK/dV travel home
+            return local + self.pack_kv(li, a, ph, scatter, local)
+        # ring with two K/V buffers: K/V of step s land once step s-2 is consumed; the partial
+        # dK/dV of a shard move on after the rank has added its share (step s-1), and the last
+        # hop takes them home. K/V go first so they never queue behind a dK/dV hop.
+        n = len(self.split(a, pattern))
+        done = [self.attend(li, a, ph, pattern, 0, x)]
+        kv = [(), self.move_kv("kv.ring1", li, a, ph, 0, "kv", x)]
+        dkv: Deps = ()
+        for s in range(1, n):
+            if s + 1 < n:
+                kv.append(self.move_kv(f"kv.ring{s + 1}", li, a, ph, s, "kv", kv[s], done[s - 1]))
+            dkv = self.move_kv(f"dkv.ring{s}", li, a, ph, s - 1, "dkv", done[s - 1], dkv)
+            done.append(self.attend(li, a, ph, pattern, s, done[s - 1], kv[s]))
+        home = self.move_kv("dkv.ring-home", li, a, ph, n - 1, "dkv", done[-1], dkv)
+        return done[-1] + home

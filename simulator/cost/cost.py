@@ -1,0 +1,193 @@
+"""Seconds of one op on one hardware profile: the only place where speed enters the simulator.
+
+Compute is priced from FLOPs over the profile's peak times a measured efficiency (GEMM by the
+size of one call, attention by tile length), memory-bound work from bytes over HBM bandwidth,
+communication with an alpha-beta model per collective algorithm and link level. Each formula
+lives in one function with its source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from csbp.simulator.cost.graph import ALSO_CLEARED, Comm, Compute, Group, Work
+from csbp.simulator.system.hardware import CollectiveOp, HardwareProfile, Link, interpolate
+
+US = 1e-6
+GB = 1e9
+
+
+def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
+    """Per rank: FLOPs / (peak x efficiency), or bytes / (HBM x efficiency) for memory-bound ops.
+
+    On a host whose ranks share fewer cores than there are ranks, each gets its share of the
+    speed; a profile with a per-op overhead (dispatch, launch) adds it per kernel call.
+    """
+    gpu = profile.gpu
+    flops, nbytes = np.asarray(work.flops), np.asarray(work.bytes)
+    if work.kind == "storage-read":  # the node's storage, shared by its ranks reading at once
+        rate = profile.node.storage_share_gbs(work.readers)  # None: the profile gives no figure
+        return nbytes / (rate * GB) if rate else np.zeros(len(nbytes))
+    if work.kind in ("elementwise", "optimizer"):
+        own = gpu.optimizer_efficiency if work.kind == "optimizer" else None
+        busy = nbytes / (gpu.hbm_gbs * GB * (own or gpu.hbm_efficiency))
+    elif work.kind == "gemm":
+        eff = along(gpu.gemm_efficiency, flops / work.kernels / 1e9)
+        busy = flops / (gpu.peak_tflops * 1e12 * eff)
+    else:
+        backward = work.kind == "attention-bwd"
+        dense = [profile.dense_attention_seconds(f, d, work.kernels, backward)
+                 for f, d in zip(flops, work.dense_flops)] if gpu.dense_attention else []
+        if gpu.dense_attention and work.dense_flops:  # explicit math scores the whole rectangle
+            flops = np.asarray(work.dense_flops)
+        curve = gpu.attention_backward_efficiency if backward else gpu.attention_forward_efficiency
+        kernel = gpu.kernel_factor(work.kernel, backward)
+        if work.full_tile_flops and not gpu.dense_attention:
+            # block-sparse kernel: every tile it touches costs a whole tile, a partial one the
+            # mask too (the masked-tile factor), at the family's speed over the call's tiles
+            executed = np.asarray(work.full_tile_flops) + np.asarray(work.partial_tile_flops) / \
+                gpu.masked_attention_efficiency_factor
+            eff = along(curve, np.asarray(work.tile_len, dtype=float), kernel)
+            busy = executed / (gpu.peak_tflops * 1e12 * eff)
+        else:
+            factor = (gpu.masked_attention_efficiency_factor if work.masked else 1.0) * kernel
+            eff = along(curve, np.asarray(work.tile_len, dtype=float), factor)
+            busy = flops / (gpu.peak_tflops * 1e12 * eff)
+        if dense and all(s is not None for s in dense):  # measured per visible / masked score
+            busy = np.array(dense)
+    overhead = (gpu.op_overhead_us or 0.0) * US * work.kernels
+    # host overhead is CPU time too: ranks sharing cores slow it down like arithmetic
+    share = profile.node.core_share(profile.node.gpus_per_node)
+    return np.where((flops > 0) | (nbytes > 0), (busy + overhead) / share, 0.0)
+
+
+def along(curve, x: np.ndarray, factor: float = 1.0) -> np.ndarray:
+    """`hardware.interpolate(curve, x) * factor` for every x (1 where x is 0: no work).
+
+    One code path with the scalar read on purpose: numpy's vectorised log10 rounds differently
+    from libm's on CPUs with AVX-512 loops, and the bounds, both engines and the memory model
+    must read the same efficiency for the same size on every host. The arrays are per
+    representative rank (a few to a few dozen values), so the scalar loop costs microseconds.
+    """
+    return np.array([interpolate(curve, v) * factor if v else 1.0 for v in np.ravel(x).tolist()],
+                    dtype=float).reshape(np.shape(x))
+
+
+def ring_seconds(op: CollectiveOp, recv_bytes: float, group: Group, profile: HardwareProfile) -> float:
+    """Ring all-gather / reduce-scatter (one pass) or all-reduce (two passes), for one member.
+
+    NCCL's ring model (src/graph/tuning.cc; hardware.md 3.4): time = base latency + intra-node
+    steps x intra step latency + inter-node steps x network step latency + bytes / bus bandwidth,
+    with n-1 steps per pass of which nodes-1 cross the network. A ring spanning nodes runs one
+    channel per NIC of the node's members, so its bus bandwidth is the members-per-node NICs,
+    capped by NVLink (hardware.md 3.3: 8 NICs x 46-48 GB/s ~ NVLink's ~370 GB/s).
+    `recv_bytes` is what the member receives: (n-1)/n of the buffer per pass; a profile may give
+    each collective its own bus bandwidth (`Link.bus_gbs`) and hosts a per-call wake-up delay.
+    """
+    nvl = profile.links.nvlink
+    n, passes = group.size, 2 if op == "all_reduce" else 1
+    steps = passes * (n - 1)
+    inter = passes * (group.nodes - 1)
+    shard = recv_bytes / steps  # one member's slice of the buffer: what the size curves are read at
+    bandwidth = nvl.bus_gbs(op) * nvl.bandwidth_fraction(shard)
+    latency = nvl.call_latency_us + steps * nvl.step_latency_us
+    if group.spans_nodes:  # the ring crosses both levels: the slower one sets the pace
+        ib = profile.link("infiniband")
+        latency = ib.call_latency_us + (steps - inter) * nvl.step_latency_us + inter * ib.step_latency_us
+        bandwidth = min(bandwidth, ib.bus_gbs(op) * group.per_node * ib.bandwidth_fraction(shard))
+    latency += profile.node.call_wakeup_us(group.size)
+    return latency * US + recv_bytes / (bandwidth * GB)
+
+
+def alltoall_seconds(recv_bytes: float, group: Group, profile: HardwareProfile) -> float:
+    """All-to-all: every peer's slice moves at once; NVLink for peers on the node, one NIC for the rest.
+
+    All-to-all cannot aggregate NICs, so off-node slices move at single-NIC speed per GPU
+    (sjeaugey, nccl-tests #267; hardware.md 3.3). The slower level sets the time.
+    """
+    nvl = profile.links.nvlink
+    n, k = group.size, group.per_node
+    per_peer = recv_bytes / (n - 1)
+    on_node = per_peer * (k - 1)
+    off_node = per_peer * (n - k)
+    seconds = on_node / (nvl.bus_gbs("all_to_all") * GB * nvl.bandwidth_fraction(per_peer)) if on_node else 0.0
+    latency = nvl.call_latency_us
+    if off_node:
+        ib = profile.link("infiniband")
+        latency = ib.call_latency_us
+        seconds = max(seconds, off_node / (ib.bus_gbs("all_to_all") * GB * ib.bandwidth_fraction(per_peer)))
+    return (latency + profile.node.call_wakeup_us(n)) * US + seconds
+
+
+def p2p_seconds(recv_bytes: float, link: Link) -> float:
+    """One send/recv pair: NCCL gives a peer few channels, so its own (lower) bandwidth applies.
+
+    hardware.md 3.2: sendrecv ~80-180 GB/s on NVLink against ~370 for ring collectives.
+    """
+    return link.p2p_latency_us * US + recv_bytes / (link.bus_gbs("send_recv") * GB * link.bandwidth_fraction(recv_bytes))
+
+
+def collective_seconds(work: Comm, recv_bytes: float, profile: HardwareProfile) -> float:
+    """Seconds for one member that receives `recv_bytes` in this collective.
+
+    A measured host's own table of calls (`Link.call_seconds`, by group size) takes precedence
+    over the alpha-beta formulas inside one node.
+    """
+    if recv_bytes <= 0:
+        return 0.0
+    group = work.group
+    if not group.spans_nodes:
+        op = "send_recv" if work.collective == "p2p" else work.collective.replace("-", "_")
+        measured = profile.links.nvlink.measured_seconds(op, group.size, recv_bytes)
+        if measured is not None:
+            return measured
+    if work.collective in ("all-gather", "reduce-scatter", "all-reduce"):  # all-reduce = RS + AG
+        return ring_seconds(work.collective.replace("-", "_"), recv_bytes, group, profile)
+    if work.collective == "all-to-all":
+        return alltoall_seconds(recv_bytes, group, profile)
+    return p2p_seconds(recv_bytes, profile.link("infiniband" if group.spans_nodes else "nvlink"))
+
+
+def comm_seconds(work: Comm, profile: HardwareProfile) -> np.ndarray:
+    """Per rank; a collective ends together for its members: the slowest member sets the time."""
+    priced = {b: collective_seconds(work, b, profile) for b in set(work.bytes)}  # ranks often match
+    if len(priced) == 1:  # every member the same: nobody waits for a slower one
+        return np.full(len(work.bytes), priced[work.bytes[0]])
+    return work.group.slowest(np.array([priced[b] for b in work.bytes]))
+
+
+# A planner search prices the same work in many candidates (a layer's GEMMs do not change with
+# checkpointing or the K/V transport): priced works are kept, keyed by value and profile.
+_PRICED: dict[tuple[int, Work], tuple[HardwareProfile, np.ndarray]] = {}
+_PRICED_LIMIT = 50_000  # works of a 1,024-GPU search; a key holds a row per rank
+ALSO_CLEARED.append(_PRICED.clear)
+
+
+def seconds(work: Work, profile: HardwareProfile) -> np.ndarray:
+    """Seconds of one op on each representative rank (read-only: the array is shared)."""
+    key = (id(profile), work)
+    hit = _PRICED.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_PRICED) >= _PRICED_LIMIT:
+        _PRICED.clear()
+    out = _seconds(work, profile)
+    out.flags.writeable = False
+    _PRICED[key] = (profile, out)
+    return out
+
+
+def _seconds(work: Work, profile: HardwareProfile) -> np.ndarray:
+    if isinstance(work, Comm):
+        return comm_seconds(work, profile)
+    if len(work.flops) > 1 and all(len(set(v)) <= 1 for v in
+                                   (work.flops, work.bytes, work.tile_len, work.dense_flops,
+                                    work.full_tile_flops, work.partial_tile_flops)):
+        # every rank does the same work (most GEMMs, norms): price one, the same arithmetic
+        first = replace(work, flops=work.flops[:1], bytes=work.bytes[:1], tile_len=work.tile_len[:1],
+                        dense_flops=work.dense_flops[:1], full_tile_flops=work.full_tile_flops[:1],
+                        partial_tile_flops=work.partial_tile_flops[:1])
+        return np.full(len(work.flops), compute_seconds(first, profile)[0])
+    return compute_seconds(work, profile)

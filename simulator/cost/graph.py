@@ -1,0 +1,492 @@
+"""One training step as ops on the representative ranks of one context group: what runs, not how fast.
+
+The representative ranks are the max(cp, bp) ranks that share one sequence; their DP, EP and TP
+peers run the same ops on other data, so they are copies (symmetry). An op holds one size per
+representative rank (ranks differ in positions, blocks and pairs), so the op list is one
+structure for the whole group and the engines evaluate it for all ranks at once.
+
+Compute ops carry FLOPs, HBM bytes, a kind and (attention) a tile length; communication ops carry
+the bytes each rank receives, the collective, the group (its size, whether it spans nodes, and
+which representative ranks wait for each other) and a traffic category. Attention K/V bytes are
+the Layout's exchanges, counted per rank from its ownership (`kv_rows`, which the tests hold equal
+to the exchanges' transfers; listing n(n-1) transfers per layer kind costs more than the step).
+Dependencies are data dependencies; the order of `ops` is program order, which is also each
+stream's issue order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from csbp.simulator.layout import kv_rows, pairs
+from csbp.simulator.cost.attention_ops import (ATTENTION_BACKWARD_FLOP_RATIO, ATTENTION_KERNEL_TILE,  # noqa: F401
+                                          MERGE_BACKWARD_PASSES, MERGE_FORWARD_PASSES, AttentionOps)
+from csbp.simulator.system.implementation import DEFAULT_IMPLEMENTATION, Implementation, load_implementation
+from csbp.simulator.cost.layer_template import _LayerTemplate
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.layout.layout import clear_caches as clear_layout_caches
+from csbp.simulator.cost.linear_ops import (DELTA_RULE_CHUNK, LINEAR_STATE_BYTES,  # noqa: F401 (re-exported)
+                                       LinearAttentionOps, delta_rule_flops_per_token)
+from csbp.simulator.cost.objective_ops import ObjectiveOps, _canvas_pairs, _sequence_pairs
+from csbp.simulator.workload.objectives import ObjectiveShape, batch_rows, objective_shape
+from csbp.simulator.layout.pairs import pairs_with_keys  # noqa: F401 (re-exported)
+from csbp.simulator.cost.placement import _placed_group, group_on_nodes
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
+from csbp.simulator.cost.step_ops import (COUNT_BYTES, LOSS_BYTES, Category, Collective, Comm, Compute,  # noqa: F401
+                                     ComputeKind, Deps, Group, Op, PerRank, Phase, Work)
+from csbp.simulator.workload.workload import Workload
+
+# Training does dgrad + wgrad: a linear layer's backward is twice its forward.
+GEMM_BACKWARD_FLOP_RATIO = 2.0
+# Fused AdamW per parameter: reads fp32 master, m, v and a bf16 grad, writes master, m, v and the
+# bf16 weight: 3*4+2 bytes each way.
+ADAMW_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """The ops of one training step for the representative ranks of one context group."""
+
+    ranks: int
+    ops: tuple[Op, ...]
+    model_flops: float  # FLOPs of the step's math for one context group, once, without recompute
+    views: int = 1  # layout sequences per example the step runs: rows x passes (objective)
+    notes: tuple[str, ...] = field(default=())
+    _arrays: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def build(cls, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
+              gpus_per_node: int, one_bucket: bool = False, keys_at_home: bool = False,
+              implementation: "Implementation | str | None" = None) -> "StepGraph":
+        """`one_bucket`: reduce all gradients in one call after the backward pass, as a step
+        that overlaps nothing does (per-layer buckets exist to hide behind the next layer's
+        backward; without overlap each would only add a call's latency).
+
+        `keys_at_home`: every attention call reads all its keys where it runs, one call per layer
+        and pass (no K/V exchange, no merge, no packing): the least attention compute the plan's
+        ownership allows, for the planner's lower bounds (`bounds.py`); not a step that runs.
+
+        `implementation`: what the framework executes per plan family (kernels, call split,
+        waits, copies, padding; `implementation.py`); default `turbo-dllm`.
+
+        The builder sees the batch as the GPU runs it (`objectives.batch_rows`: an objective's
+        rows per example are rows of the batch)."""
+        return _Builder(model, batch_rows(workload, model), plan, layout, gpus_per_node,
+                        one_bucket=one_bucket, keys_at_home=keys_at_home,
+                        implementation=implementation).build()
+
+    def flops(self, include_recompute: bool = True) -> np.ndarray:
+        """FLOPs each representative rank executes in one step."""
+        works, which = self.works()
+        counted = [i for i, op in enumerate(self.ops) if isinstance(op.work, Compute)
+                   and (include_recompute or op.phase != "recompute")]
+        rows = np.array([w.flops if isinstance(w, Compute) else (0.0,) * self.ranks for w in works])
+        return rows[which[counted]].sum(axis=0) if counted else np.zeros(self.ranks)
+
+    def received_bytes(self) -> dict[str, np.ndarray]:
+        """Bytes each representative rank receives per step, by traffic category."""
+        works, which = self.works()
+        rows = np.array([w.bytes for w in works]) if works else np.zeros((0, self.ranks))
+        by_category: dict[str, list[int]] = {}
+        for i, op in enumerate(self.ops):
+            if isinstance(op.work, Comm):
+                by_category.setdefault(op.work.category, []).append(i)
+        return {c: rows[which[ops]].sum(axis=0) for c, ops in by_category.items()}
+
+    def works(self) -> tuple[list[Work], np.ndarray]:
+        """The distinct work objects (identical layers share them) and, per op, its index among
+        them: what is priced, summed or compiled once per work instead of once per op."""
+        if "works" not in self._arrays:
+            row: dict[int, int] = {}
+            works: list[Work] = []
+            which = []
+            for op in self.ops:
+                key = id(op.work)
+                if key not in row:
+                    row[key] = len(works)
+                    works.append(op.work)
+                which.append(row[key])
+            self._arrays["works"] = (works, np.array(which, dtype=np.intp))
+        return self._arrays["works"]
+
+
+# ---- placement: which ranks of a group share a node --------------------------------------------
+
+
+# ---- the builder --------------------------------------------------------------------------------
+
+
+class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps):
+    """Appends the ops of one step in program order; each helper returns the ops that end it."""
+
+    def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
+                 gpus_per_node: int, ops: list | None = None, notes: list | None = None,
+                 one_bucket: bool = False, keys_at_home: bool = False,
+                 implementation: "Implementation | str | None" = None) -> None:
+        self.m, self.w, self.p, self.lay = model, workload, plan, layout
+        self.impl = load_implementation(implementation or DEFAULT_IMPLEMENTATION)
+        self.family = self.impl.family(layout.kind, plan.transport)
+        self.one_bucket = one_bucket
+        self.keys_at_home = keys_at_home
+        self.obj: ObjectiveShape = objective_shape(workload, model, plan)
+        self.gpn = gpus_per_node
+        self.n = layout.size
+        self.dt = workload.dtype_bytes
+        self.tp = plan.tp
+        mb = workload.micro_batch
+        self.positions = kv_rows.held(layout, "positions").astype(float)
+        self.tokens = self.positions * mb
+        self.noisy = kv_rows.held(layout, "noisy").astype(float) * mb
+        # drafters: target-feature tokens the rank turns into K/V (keys only, not queries)
+        self.context = kv_rows.held(layout, "context").astype(float) * mb \
+            if self.obj.context_as_kv else np.zeros(self.n)
+        self.ops: list[Op] = [] if ops is None else ops  # a sub-pass appends to its parent's ops
+        self.notes: list[str] = [] if notes is None else notes
+        self._cache: dict = {}
+        self._layers: dict[tuple, _LayerTemplate | tuple | None] = {}
+        every = tuple(range(self.n))
+        self.cp_sync = layout.cp_groups()
+        self.g_tp = self._group(("tp",), tuple((r,) for r in every))
+        self.g_ep = self._group(("ep",), tuple((r,) for r in every))
+        self.g_cp = self._group(("ctx",), self.cp_sync, ctx_block=len(self.cp_sync[0]))
+        # A ring over a cp group that spans nodes has a pair that does: price its steps there.
+        self.g_ring = Group(2, 1 if self.g_cp.spans_nodes else 2, tuple((r,) for r in every))
+        self.g_dense = self._group(("dp", "ctx", "ep"), (every,))
+        self.g_expert = self._group(("dp", "ctx", "tp"), (every,))
+
+    def _group(self, axes, sync, ctx_block=None) -> Group:
+        n, per_node = group_on_nodes(self.p, self.gpn, axes, ctx_block)
+        return Group(n, per_node, sync)
+
+    # -- small constructors -------------------------------------------------------------------
+    def add(self, name: str, phase: Phase, layer: int | None, work: Work | None, *deps: Deps) -> Deps:
+        """Append an op after `deps`; with no work (None) the deps pass through unchanged."""
+        flat = tuple(sorted({d for ds in deps for d in ds}))
+        if work is None:
+            return flat
+        self.ops.append(Op(len(self.ops), name, phase, layer, work, flat))
+        return (len(self.ops) - 1,)
+
+    def derived(self, key, make):
+        """Counts that depend only on the layout's shares, made once per layout ownership (many
+        candidates of a search share it)."""
+        if key not in self.lay.derived:
+            self.lay.derived[key] = make()
+        return self.lay.derived[key]
+
+    def cached(self, key, make):
+        """Identical layers share their work objects (and the engines price each once)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def per_rank(self, values) -> PerRank:
+        if np.ndim(values) == 0:
+            return (float(values),) * self.n
+        return tuple(np.asarray(values, dtype=float).tolist())
+
+    def gemm(self, flops, kernels: int = 1) -> Compute:
+        return Compute("gemm", self.per_rank(flops), self.per_rank(0), kernels)
+
+    def memory_bound(self, nbytes, kind: ComputeKind = "elementwise") -> Compute:
+        return Compute(kind, self.per_rank(0), self.per_rank(nbytes))
+
+    def comm(self, collective: Collective, recv, group: Group, category: Category,
+             peer: tuple[int, ...] = ()) -> Comm | None:
+        recv = self.per_rank(recv)
+        if group.size <= 1 or not any(recv):
+            return None
+        return Comm(collective, recv, group, category, peer)
+
+    @staticmethod
+    def ring_share(group: Group) -> float:
+        """Fraction of a buffer each member receives in a ring all-gather / reduce-scatter."""
+        return (group.size - 1) / group.size
+
+    def tp_collective(self, collective: Collective, tokens=None) -> Comm | None:
+        """Sequence-parallel all-gather / reduce-scatter of hidden states (tokens x hidden)."""
+        if tokens is None:  # every layer's: one work object (the engines price it once)
+            return self.cached(("tp", collective), lambda: self.tp_collective(collective, self.tokens))
+        return self.comm(collective, tokens * self.m.hidden * self.dt * self.ring_share(self.g_tp),
+                         self.g_tp, "tp")
+
+    def mlp_collective(self, collective: Collective) -> Comm | None:
+        """The MLP's sequence-parallel boundary; a MoE without a dense branch has none (its experts
+        take the shard's own tokens)."""
+        moe = self.m.moe
+        return None if moe and not moe.dense_ffn else self.tp_collective(collective)
+
+    # -- sizes of one layer kind ----------------------------------------------------------------
+    def mixer_gemms(self, a: AttentionSpec) -> tuple[np.ndarray, np.ndarray]:
+        """Forward FLOPs of the input projections and of the output projection, per rank."""
+        out_params = a.n_heads * a.head_dim * self.m.hidden
+        in_params = self.m.mixer_params(a) - out_params
+        return 2 * self.tokens * in_params / self.tp, 2 * self.tokens * out_params / self.tp
+
+    def norm_bytes(self, a: AttentionSpec) -> np.ndarray:
+        """Forward bytes of a layer's memory-bound ops, half before and half after attention.
+
+        Per token: 2 RMSNorms (read + write h), RoPE on q and k (read + write), 2 residual adds
+        (read 2h, write h), the SwiGLU product (read 2 ffn, write ffn); sharded over TP/SP.
+        """
+        m, h = self.m, self.m.hidden
+        ffn = m.moe.dense_ffn + m.moe.top_k * m.moe.expert_ffn if m.moe else m.ffn
+        per_token = 4 * h + 2 * (a.n_heads * a.head_dim + a.kv_width) + 6 * h + 3 * ffn
+        return self.tokens * per_token * self.dt / self.tp / 2
+
+
+    # -- one layer ----------------------------------------------------------------------------
+    def layer(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
+        """Append layer li in `phase` (forward, recompute or backward).
+
+        Layers of one kind append the same ops, so the first is built and the rest are stamped
+        from it with shifted indices: the builder's logic runs once per kind, not once per layer.
+        """
+        key = (a, phase)
+        template = self._layers.get(key)
+        if isinstance(template, tuple):  # the second layer of its kind: record the first now
+            start, end, first_x, first_out = template
+            template = self._layers[key] = _LayerTemplate.record(self.ops[start:end], start, first_x,
+                                                                 first_out)
+        if template is not None:
+            return template.stamp(self.ops, li, x)
+        start = len(self.ops)
+        out = self.layer_backward(li, a, x) if phase == "backward" else self.layer_forward(li, a, phase, x)
+        if x and key not in self._layers:  # with no input, which ops wait for it cannot be seen
+            self._layers[key] = (start, len(self.ops), x, out)  # recorded if a second one comes
+        return out
+
+    def layer_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
+        c = self.cached
+        norm_work = c(("norm", a), lambda: self.memory_bound(self.norm_bytes(a)))
+        f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
+        x = self.add("attn-in.ag", phase, li, self.tp_collective("all-gather"), x)
+        x = self.add("norm-rope", phase, li, norm_work, x)
+        x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.gemm(f_in)), x)
+        x = self.add("context-kv", phase, li, c(("ctx-kv", a), lambda: self.context_kv(a, 1.0)), x)
+        if a.kind == "linear":
+            x = self.linear_forward(li, a, phase, x)
+        else:
+            x = self.attention_forward(li, a, phase, x)
+        x = self.add("out-proj", phase, li, c(("out", a), lambda: self.gemm(f_out)), x)
+        x = self.add("attn-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
+        x = self.add("mlp-in.ag", phase, li, self.mlp_collective("all-gather"), x)
+        x = self.add("norm-swiglu", phase, li, norm_work, x)
+        x = self.ffn(li, phase, x, backward=False)
+        return self.add("mlp-out.rs", phase, li, self.mlp_collective("reduce-scatter"), x)
+
+
+    def ffn(self, li: int, phase: Phase, x: Deps, backward: bool) -> Deps:
+        """Dense SwiGLU, or router + routed experts (EP all-to-all around them) + dense branch."""
+        m, h = self.m, self.m.hidden
+        ratio = GEMM_BACKWARD_FLOP_RATIO if backward else 1.0
+        kernels = 4 if backward else 2  # gate+up and down GEMMs (dgrad and wgrad of each)
+        if m.moe is None:
+            return self.add("mlp", phase, li, self.cached(("mlp", backward), lambda: self.gemm(
+                ratio * 2 * self.tokens * 3 * h * m.ffn / self.tp, kernels)), x)
+        moe, ep = m.moe, self.p.ep
+        tokens = self.tokens / self.tp  # each sequence-parallel shard routes its own tokens
+        a2a = self.cached("ep-a2a", lambda: self.comm(
+            "all-to-all", tokens * h * moe.top_k * self.dt * (ep - 1) / ep, self.g_ep, "ep"))
+        router_ratio = 1.0 if backward and self.obj.frozen_router else ratio  # input gradient only
+        router = self.add("router", phase, li, self.cached(("router", backward), lambda: self.gemm(
+            router_ratio * 2 * tokens * h * moe.n_experts)), x)
+        if not backward:  # each expert's row count to its owner, so it knows what will arrive
+            router = self.add("ep.counts", phase, li, self.cached("ep-counts", lambda: self.comm(
+                "all-to-all", moe.n_experts * COUNT_BYTES * (ep - 1) / ep, self.g_ep, "ep")), router)
+        sent = self.add("ep.combine-grad" if backward else "ep.dispatch", phase, li, a2a, router)
+        experts = self.add("experts", phase, li, self.cached(("experts", backward), lambda: self.gemm(
+            ratio * 2 * tokens * moe.top_k * 3 * h * moe.expert_ffn,
+            kernels * 3 // 2 * (moe.n_experts // ep))), router, sent)
+        back = self.add("ep.dispatch-grad" if backward else "ep.combine", phase, li, a2a, experts)
+        if not moe.dense_ffn:
+            return back
+        dense = self.add("dense-mlp", phase, li, self.cached(("dense", backward), lambda: self.gemm(
+            ratio * 2 * self.tokens * 3 * h * moe.dense_ffn / self.tp, kernels)), experts)
+        return dense + back
+
+    def layer_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
+        c, g = self.cached, GEMM_BACKWARD_FLOP_RATIO
+        norm_work = c(("normb", a), lambda: self.memory_bound(2 * self.norm_bytes(a)))
+        f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
+        x = self.add("mlp-out.ag-bwd", "backward", li, self.mlp_collective("all-gather"), x)
+        x = self.ffn(li, "backward", x, backward=True)
+        x = self.add("norm-swiglu-bwd", "backward", li, norm_work, x)
+        x = self.add("mlp-in.rs-bwd", "backward", li, self.mlp_collective("reduce-scatter"), x)
+        x = self.add("attn-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
+        x = self.add("out-proj-bwd", "backward", li, c(("outb", a), lambda: self.gemm(g * f_out, 2)), x)
+        if a.kind == "linear":
+            x = self.linear_backward(li, a, x)
+        else:
+            x = self.attention_backward(li, a, x)
+        x = self.add("context-kv-bwd", "backward", li, c(("ctx-kvb", a), lambda: self.context_kv(a, g)), x)
+        x = self.add("qkv-bwd", "backward", li, c(("qkvb", a), lambda: self.gemm(g * f_in, 2)), x)
+        x = self.add("norm-rope-bwd", "backward", li, norm_work, x)
+        return self.add("attn-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x)
+
+    # -- parameters and gradients -------------------------------------------------------------
+    def layer_params(self, a: AttentionSpec) -> tuple[float, float]:
+        """(dense, expert) parameters one rank holds of a layer: dense /tp, experts /ep; norms
+        and the router whole (every rank routes its own tokens)."""
+        m = self.m
+        router = m.hidden * m.moe.n_experts if m.moe else 0
+        dense = (m.mixer_params(a) + m.dense_ffn_params()) / self.tp + 2 * m.hidden + router
+        return dense, (m.expert_params_per_layer() - router) / self.p.ep
+
+    def sequence_parallel_params(self) -> float:
+        """Weights every TP rank holds whole but applies to its own sequence shard (norms, a
+        trained router): their gradients are partial sums over the TP group."""
+        m = self.m
+        router = m.hidden * m.moe.n_experts if m.moe and not self.obj.frozen_router else 0
+        return m.n_layers * (2 * m.hidden + router) + m.hidden
+
+    def edge_params(self) -> tuple[float, float]:
+        """(LM head, embedding + final norm + conditioning) parameters one rank trains.
+
+        A drafter's embedding and LM head are the frozen target's: only the norm and the
+        conditioning projection remain.
+        """
+        m, tp = self.m, self.tp
+        cond = (m.conditioning_layers * m.hidden ** 2) / tp + m.hidden
+        if self.obj.frozen_embeddings:
+            return 0.0, cond
+        head = m.vocab * m.hidden / tp
+        return head, m.embedding_params() / tp - head + cond
+
+    def trained_params(self) -> tuple[float, float]:
+        """(dense, expert) parameters one rank trains: every layer plus the edges."""
+        layers = [self.layer_params(a) for a in self.m.layers]
+        return sum(d for d, _ in layers) + sum(self.edge_params()), sum(e for _, e in layers)
+
+    def grad_sync(self, layer: int | None, dense: float, expert: float, x: Deps) -> Deps:
+        """Reduce one bucket of gradients over its data-parallel group (ZeRO >= 1: reduce-scatter)."""
+        collective: Collective = "reduce-scatter" if self.w.zero_stage >= 1 else "all-reduce"
+        out: Deps = ()
+        for what, params, group in (("dense", dense, self.g_dense), ("experts", expert, self.g_expert)):
+            share = self.ring_share(group) * (2 if collective == "all-reduce" else 1)
+            work = self.cached(("grads", what, params), lambda: self.comm(
+                collective, params * self.dt * share, group, "gradients"))
+            out += self.add(f"grads.{what}.{collective}", "grad-sync", layer, work, x) if work else ()
+        return out
+
+    def param_gather(self, name: str, phase: Phase, layer: int | None, dense: float,
+                     expert: float, x: Deps) -> Deps:
+        """ZeRO: all-gather parameter shards (a layer's for ZeRO-3, all updated ones for 1/2)."""
+        out: Deps = ()
+        for what, params, group in (("dense", dense, self.g_dense), ("experts", expert, self.g_expert)):
+            work = self.cached(("params", what, params), lambda: self.comm(
+                "all-gather", params * self.dt * self.ring_share(group), group, "params"))
+            out += self.add(f"{name}.{what}", phase, layer, work, x) if work else ()
+        return out
+
+    def optimizer(self) -> Compute:
+        dense, expert = self.trained_params()
+        if self.w.zero_stage >= 1:
+            dense, expert = dense / self.g_dense.size, expert / self.g_expert.size
+        return self.memory_bound((dense + expert) * ADAMW_BYTES_PER_PARAM, "optimizer")
+
+
+    # -- the step ------------------------------------------------------------------------------
+    def build(self) -> StepGraph:
+        m, w, layers, obj = self.m, self.w, self.m.layers, self.obj
+        h, V = m.hidden, m.vocab
+        zero3, recompute = w.zero_stage == 3, w.checkpointing == "full"
+        head_params, edge_params = self.edge_params()
+        self.notes.extend(obj.notes)
+        if any(a.kind == "linear" for a in layers) and self.lay.kind in ("cp", "csbp"):
+            self.notes.append("linear-attention layers under CP/CSBP: sequence<->head all-to-all "
+                              "of the clean rows' q, k, v and of their output over each cp group "
+                              "(Ulysses-style), the chunked delta rule over the whole clean sequence "
+                              "per head, its recurrent (fp32 [U]) and conv state at every block "
+                              "boundary routed to the noisy blocks' owners (all-to-all; all-gather "
+                              "when bp = 1, gradients back in backward), and each noisy block's "
+                              "delta rule restarting from its state at its owner (implementation.md 4)")
+        if m.is_moe:
+            self.notes.append("MoE: balanced routing; experts sharded over ep and not "
+                              "tensor-parallel; each sequence-parallel shard routes its own tokens")
+        reduce = "reduce-scatter" if w.zero_stage else "all-reduce"
+        buckets = ("one bucket after the backward pass (nothing to hide behind)" if self.one_bucket
+                   else "per layer bucket")
+        self.notes.append(f"gradients: {reduce} in {w.dtype} {buckets} over the dp x ctx "
+                          "(x ep) ranks" + ("" if self.one_bucket else ", hidden behind the next layer's backward")
+                          + ("; updated parameters all-gathered after the optimizer, not hidden "
+                             "behind the next step" if w.zero_stage in (1, 2) else ""))
+        embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
+        # the LM head's backward: input and weight gradients, or the input gradient of a frozen
+        # head; plus the forward again where the logits are recomputed in backward
+        head_ratio = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO) + obj.head_recompute
+        head_calls = (1 if obj.frozen_embeddings else 2) + obj.head_recompute
+        loss_rows = self.loss_rows()
+        grads, x = (), ()
+        bucketed = not self.one_bucket
+        # the step's stored inputs, read before anything can use them: exposed
+        x = self.add("data.storage-read", "data", None, self.storage_read(), x)
+        if obj.canvas_passes:
+            x = self.canvas_pass(self.canvas_sync(x))
+        for v in range(obj.passes):
+            last_view = v == obj.passes - 1
+            x = self.add("embed", "forward", None, embed, x)
+            # vocabulary-parallel embedding: partial embeddings reduce-scattered to the shards
+            x = self.add("embed.rs", "forward", None, self.tp_collective("reduce-scatter"), x)
+            x = self.add("fc-conditioning", "forward", None, self.conditioning(False), x)
+            prefetch: Deps = ()
+            for li, a in enumerate(layers):
+                if zero3:  # gather layer li's parameters while layer li-1 computes
+                    prefetch = self.param_gather("zero3.params", "forward", li, *self.layer_params(a), prefetch)
+                x = self.layer(li, a, "forward", x + prefetch)
+            x = self.loss_forward(x)
+            x = self.add("lm-head-bwd", "backward", None, self.gemm(
+                head_ratio * 2 * loss_rows * h * V / self.tp, self.head_calls(head_calls)), x)
+            x = self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", loss_rows), x)
+            if last_view and bucketed and head_params and not m.tie_embeddings:
+                grads += self.grad_sync(None, head_params, 0.0, x)
+            prefetch = ()
+            for li in range(len(layers) - 1, -1, -1):
+                a = layers[li]
+                if zero3:
+                    prefetch = self.param_gather("zero3.params", "backward", li, *self.layer_params(a), prefetch)
+                if recompute:  # rerun the layer from its checkpointed input, then backward
+                    x = self.layer(li, a, "recompute", x + prefetch)
+                x = self.layer(li, a, "backward", x + prefetch)
+                if last_view and bucketed:
+                    grads += self.grad_sync(li, *self.layer_params(a), x)
+            x = self.add("fc-conditioning-bwd", "backward", None, self.conditioning(True), x)
+            if not obj.frozen_embeddings:
+                x = self.add("embed.ag-bwd", "backward", None, self.tp_collective("all-gather"), x)
+                x = self.add("embed-bwd", "backward", None, embed, x)
+            if last_view:  # norms' and router's partial gradients summed over TP, once
+                grads += self.add("grads.sequence-parallel.all-reduce", "grad-sync", None, self.comm(
+                    "all-reduce", self.sequence_parallel_params() * self.dt * 2 * self.ring_share(self.g_tp),
+                    self.g_tp, "gradients"), x)
+            if last_view and bucketed:
+                tied = head_params if m.tie_embeddings else 0.0
+                grads += self.grad_sync(None, edge_params + tied, 0.0, x)
+            elif last_view:  # every gradient at once
+                grads += self.grad_sync(None, *self.trained_params(), x)
+        # the step's loss summed over every rank (to check it and to log it): one fp32 scalar,
+        # nothing on a GPU cluster, a whole call's wake-up on a CPU host
+        loss = self.add("loss.all-reduce", "grad-sync", None, self.comm(
+            "all-reduce", LOSS_BYTES * 2 * self.ring_share(self.g_dense), self.g_dense, "other"), x, grads)
+        step = self.add("adamw", "optimizer", None, self.optimizer(), x, grads, loss)
+        if w.zero_stage in (1, 2):
+            self.param_gather("updated-params", "param-sync", None, *self.trained_params(), step)
+        return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.passes * obj.rows_per_example,
+                         tuple(self.notes))
+
+
+# what other modules keep between graphs (prices, recent graphs), forgotten with the rest
+ALSO_CLEARED: list = []
+
+
+def clear_caches() -> None:
+    """Forget what earlier graphs cached, layouts included (a benchmark measuring a cold start)."""
+    clear_layout_caches()
+    for cached in (_placed_group, _sequence_pairs, _canvas_pairs, pairs._window_prefix, pairs._block_counts):
+        cached.cache_clear()
+    for clear in ALSO_CLEARED:
+        clear()
+
+

@@ -1,0 +1,124 @@
+"""The step graph's linear-attention (Gated-DeltaNet) layers: the chunked delta rule, the
+sequence<->head all-to-all around it under CP/CSBP, and the clean prefix's states at block
+boundaries routed to the noisy blocks' owners (implementation.md 4). A mixin of the builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from csbp.simulator.cost.attention_ops import ATTENTION_BACKWARD_FLOP_RATIO
+from csbp.simulator.workload.spec import AttentionSpec
+from csbp.simulator.cost.step_ops import Collective, Comm, Compute, Deps, Phase
+
+# Chunk length of the chunked (gated) delta rule in flash-linear-attention (chunk_size = 64).
+DELTA_RULE_CHUNK = 64
+
+# Bytes per element of a linear-attention recurrent state passed between ranks: fp32, as chunked
+# delta-rule kernels keep their state (assumed [U]; bf16 would halve the boundary-state traffic).
+LINEAR_STATE_BYTES = 4
+
+
+def delta_rule_flops_per_token(head_dim_k: int, head_dim_v: int, chunk: int = DELTA_RULE_CHUNK) -> float:
+    """Forward FLOPs per token and value head of the chunked (gated) delta rule.
+
+    Per chunk of C tokens (Yang et al., arXiv 2406.06484 / 2412.06464): K K^T (2C^2 dk), the
+    triangular solve (~2C^3/3), W = T K and U = T V (2C^2 dk + 2C^2 dv), the state terms W S,
+    Q S and the update K^T V' (3 x 2C dk dv), and the intra-chunk Q K^T and its product with V'
+    (2C^2 dk + 2C^2 dv); divided by C.
+    """
+    c, dk, dv = chunk, head_dim_k, head_dim_v
+    return 6 * c * dk + 4 * c * dv + 2 * c * c / 3 + 6 * dk * dv
+
+
+class LinearAttentionOps:
+    """Linear-attention layers of the step (mixed into the builder)."""
+
+    def ulysses(self, a: AttentionSpec) -> tuple[Comm | None, Comm | None]:
+        """Linear attention under CP/CSBP: sequence->head all-to-all of the clean rows' q, k, v,
+        and back for their output; noisy blocks stay with their owners (`boundary_states`)."""
+        if self.lay.kind not in ("cp", "csbp"):
+            return None, None
+        n = len(self.cp_sync[0])
+        width_in = 2 * a.n_kv_heads * a.head_dim + a.n_heads * a.head_dim
+        width_out = a.n_heads * a.head_dim
+        clean = self.tokens - self.noisy
+        recv = lambda width: clean * width * self.dt / self.tp * (n - 1) / n  # noqa: E731
+        return (self.comm("all-to-all", recv(width_in), self.g_cp, "other"),
+                self.comm("all-to-all", recv(width_out), self.g_cp, "other"))
+
+    def boundary_states(self, a: AttentionSpec) -> Comm | None:
+        """Linear attention under CP/CSBP: the clean prefix's recurrent and conv state at every
+        block boundary, computed head-sharded, routed to the owners of the noisy blocks that
+        restart from them: an all-to-all to the block owners, an all-gather of every boundary
+        when bp = 1 (implementation.md section 4, Fast-dLLM v2's Gated-DeltaNet layers). In
+        backward the state gradients go back the same way. Block 0 starts from zero.
+
+        A state is heads x dk x dv in fp32 (the chunked kernels' state dtype, assumed [U]) plus
+        the conv's last conv_kernel - 1 inputs in the compute dtype, split over TP by heads.
+        """
+        if self.lay.kind not in ("cp", "csbp"):
+            return None
+        n = len(self.cp_sync[0])
+        conv = max(a.conv_kernel - 1, 0) * (2 * a.n_kv_heads + a.n_heads) * a.head_dim * self.dt
+        state = (a.n_heads * a.head_dim * a.head_dim * LINEAR_STATE_BYTES + conv) / self.tp
+        if self.lay.kind == "cp":  # noisy rows are zigzag shards, not blocks: every boundary
+            blocks = np.full(self.n, self.w.n_blocks - 1, dtype=float)
+            collective: Collective = "all-gather"
+        else:
+            blocks = np.array([len(s.noisy_blocks) - (0 in s.noisy_blocks) for s in self.lay.shares], dtype=float)
+            collective = "all-to-all"
+        return self.comm(collective, blocks * state * self.w.micro_batch * (n - 1) / n, self.g_cp, "other")
+
+    def delta_rule(self, a: AttentionSpec, backward: bool, rows: str = "all") -> Compute:
+        """Chunked Gated-DeltaNet: FLOPs linear in tokens, run as a fused kernel on chunk tiles,
+        over the rank's rows: "all", or (CP/CSBP) the "clean" ones head-sharded after the
+        all-to-all or the "noisy" blocks at their owners."""
+        tokens = {"all": self.tokens, "clean": self.tokens - self.noisy, "noisy": self.noisy}[rows]
+        flops = tokens * a.n_heads / self.tp * delta_rule_flops_per_token(a.head_dim, a.head_dim)
+        if backward:
+            flops = flops * ATTENTION_BACKWARD_FLOP_RATIO
+        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(flops),
+                       self.per_rank(0), 1, self.per_rank(DELTA_RULE_CHUNK), False)
+
+    def linear_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
+        """Gated-DeltaNet in forward or recompute: under CP/CSBP the clean rows go head-sharded
+        through the delta rule, their boundary states travel to the noisy blocks' owners, and
+        each noisy block restarts from its state where it lives."""
+        c = self.cached
+        a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+        if self.lay.kind not in ("cp", "csbp"):
+            return self.add("delta-rule", phase, li, c(("dr", a, False), lambda: self.delta_rule(a, False)), x)
+        x = self.add("lin.a2a-in", phase, li, a2a_in, x)
+        clean = self.add("delta-rule.clean", phase, li, c(("dr-clean", a, False), lambda: self.delta_rule(
+            a, False, "clean")), x)
+        states = self.add("lin.states", phase, li, c(("states", a), lambda: self.boundary_states(a)), clean)
+        out = self.add("lin.a2a-out", phase, li, a2a_out, clean)
+        noisy = self.add("delta-rule.noisy", phase, li, c(("dr-noisy", a, False), lambda: self.delta_rule(
+            a, False, "noisy")), states)
+        return out + noisy
+
+    def linear_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
+        """The backward of `linear_forward`: the noisy blocks' state gradients go home to the
+        rows that computed the states before the clean rows' backward can finish."""
+        c, ph = self.cached, "backward"
+        a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+        if self.lay.kind not in ("cp", "csbp"):
+            return self.add("delta-rule-bwd", ph, li, c(("dr", a, True), lambda: self.delta_rule(a, True)), x)
+        out = self.add("lin.a2a-out-bwd", ph, li, a2a_out, x)
+        noisy = self.add("delta-rule-bwd.noisy", ph, li, c(("dr-noisy", a, True), lambda: self.delta_rule(
+            a, True, "noisy")), x)
+        dstates = self.add("lin.states-bwd", ph, li, c(("dstates", a), lambda: self.state_gradients(a)), noisy)
+        clean = self.add("delta-rule-bwd.clean", ph, li, c(("dr-clean", a, True), lambda: self.delta_rule(
+            a, True, "clean")), out, dstates)
+        return self.add("lin.a2a-in-bwd", ph, li, a2a_in, clean)
+
+    def state_gradients(self, a: AttentionSpec) -> Comm | None:
+        """Boundary-state gradients home: the reverse all-to-all, or a reduce-scatter of the
+        all-gathered boundaries when bp = 1 (the same bytes)."""
+        fwd = self.boundary_states(a)
+        if fwd is None or fwd.collective == "all-to-all":
+            return fwd
+        return replace(fwd, collective="reduce-scatter")

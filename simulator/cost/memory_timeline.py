@@ -1,0 +1,541 @@
+"""Live tensor bytes of each rank over one training step, op by op, and where they peak.
+
+Why a timeline and not a sum: a step never holds everything at once. The forward stacks the
+checkpointed input of every layer; the backward frees them one layer at a time while gradients
+build up; a recomputed layer's activations, its gathered K/V and its attention scores live only
+around that layer's backward; the gradient sync and the optimizer come after all activations
+are gone. Summing each category's maximum overstates the peak (by the activations when the
+optimizer step is the peak, by the gradients when the last layer's backward is), and the report
+must say *where* the peak is for a user to act on it. So the step is walked in program order
+- forward layers, loss, backward (recompute, then the layer's backward) layer by layer, gradient
+sync, optimizer - and at every moment the live bytes are the sum of what is alive then.
+
+Cost: the planner asks this for thousands of candidates. Layers of one kind are identical and
+everything that accumulates over layers (checkpointed inputs, saved activations, gradients) is
+linear in the layer index, so the live bytes inside a run of same-kind layers peak at its first
+or last layer: the walk visits each layer kind at those two indices only, a few dozen moments
+per step, each a sum of per-rank numpy arrays (no per-tensor, per-rank or per-layer loop).
+
+Two implementations, chosen by the profile (`gpu.dense_attention`):
+- fused (the reference implementation on GPUs, implementation.md sections 1-3): FlashAttention
+  keeps out + LSE; fp32 accumulators (dQ in backward, the LSE merge numerator) are transient;
+  CP keeps the gathered 2L K/V (its reorder copies) for backward, CSBP its clean L rows; pure BP
+  runs its whole replicated clean prefix; MLP chunking off (the full intermediate).
+- eager (the CPU runtime, runtime/models/attention.py and runtime/models/model.py op by op): explicit masked
+  attention keeps each call's exp-scores for backward and holds three score matrices at its
+  forward and backward peaks; the K/V of a call are kept as their query-head copies (the
+  broadcast matmul copies them); RMSNorm, RoPE and SwiGLU keep what their autograd nodes save.
+The byte counts follow the code they describe; nothing here is fitted to a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from csbp.simulator.layout import kv_rows
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
+
+# Fraction of a block's noisy tokens that are masked (and enter the loss) in expectation: the
+# noise level t of a block is uniform on (0, 1] (BD3-LM; runtime/models/objective.py), E[t] = 1/2.
+MASKED_FRACTION = 0.5
+
+LABELS = {
+    "params": "params", "master": "fp32 master", "grads": "grads", "optimizer": "optimizer",
+    "checkpointed": "checkpointed inputs", "saved": "saved activations",
+    "layer": "recomputed layer", "scores": "attention scores", "kv": "K/V buffers",
+    "dkv": "dK/dV buffers", "transient": "op buffers", "loss": "loss buffers",
+    "comm": "communication buffers", "masks": "attention masks", "context": "context features",
+    "allocator": "allocator"}
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One point of the step: the phase, the step graph's op name, the layer (None outside)."""
+
+    phase: str
+    op: str
+    layer: int | None = None
+
+    def describe(self) -> str:
+        where = f" of layer {self.layer}" if self.layer is not None else ""
+        return f"{self.phase} {self.op}{where}"
+
+
+@dataclass
+class Timeline:
+    """Moments in program order and, for each, the live bytes by category (array over ranks or
+    a number, the same on every rank), given as a few shared groups of categories (the weights,
+    what the layers below keep, the layer's own buffers): their sums are found once per group."""
+
+    n_ranks: int
+    moments: list[Moment] = field(default_factory=list)
+    groups: list[tuple[dict, ...]] = field(default_factory=list)
+
+    def at(self, moment: Moment, *groups: dict) -> None:
+        self.moments.append(moment)
+        self.groups.append(groups)
+
+    @property
+    def parts(self) -> list[dict[str, np.ndarray | float]]:
+        """Each moment's bytes by category, its groups merged."""
+        return [_merge(*g) for g in self.groups]
+
+    def totals(self) -> np.ndarray:
+        """[moments, ranks] live bytes: each distinct group summed once, then one product of
+        the moments' group incidence with the groups' sums."""
+        index: dict[int, int] = {}
+        sums: list[np.ndarray | float] = []
+        rows: list[list[int]] = []
+        for groups in self.groups:
+            row = []
+            for g in groups:
+                k = index.get(id(g))
+                if k is None:
+                    k = index[id(g)] = len(sums)
+                    numbers, arrays = 0.0, []
+                    for v in g.values():
+                        if isinstance(v, np.ndarray):
+                            arrays.append(v)
+                        else:
+                            numbers += v
+                    total = numbers
+                    for v in arrays:
+                        total = v + total
+                    sums.append(total)
+                row.append(k)
+            rows.append(row)
+        incidence = np.zeros((len(rows), len(sums)))
+        for i, row in enumerate(rows):
+            for k in row:
+                incidence[i, k] += 1.0
+        matrix = np.empty((len(sums), self.n_ranks))
+        for k, v in enumerate(sums):
+            matrix[k] = v
+        return incidence @ matrix
+
+    def peaks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank: the peak live bytes and the index of the moment where it is reached."""
+        totals = self.totals()
+        where = totals.argmax(axis=0)
+        return totals[where, np.arange(self.n_ranks)], where
+
+    def breakdown(self, moment: int, rank: int) -> dict[str, float]:
+        """Bytes by category at one moment on one rank (categories summed, zeros dropped)."""
+        out: dict[str, float] = {}
+        for k, v in _merge(*self.groups[moment]).items():
+            b = float(v[rank]) if isinstance(v, np.ndarray) else float(v)
+            if b:
+                out[k] = out.get(k, 0.0) + b
+        return out
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Per-rank sizes the walk reads (bytes unless named otherwise), from the layout."""
+
+    tokens: np.ndarray  # positions x micro-batch x rows per example
+    noisy: np.ndarray
+    hidden: np.ndarray  # one hidden-state tensor (SP-sharded)
+    dt: int
+    tp: int
+    batch: int  # sequences in one call (micro-batch x rows per example)
+    # what the framework runs for this plan family (implementation.py): its copies around the
+    # K/V exchange are buffers too; None = the reference implementation's (implementation.md)
+    family: object | None = None
+
+
+@dataclass
+class LayerMemory:
+    """One layer kind: what its forward keeps for backward and what each op holds briefly.
+
+    `attn_saved` / `mlp_saved`: kept from the forward until the attention / MLP backward (both
+    include K/V and score buffers where the implementation keeps them); the `*_transient` entries
+    are the extra bytes at the op's own peak, by category.
+    """
+
+    attn_saved: dict[str, np.ndarray]
+    mlp_saved: dict[str, np.ndarray]
+    forward: list[tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]]  # op, saved so far, extra
+    # op, what of the layer is still saved then (None: the attention's part), extra
+    backward: list[tuple[str, dict | None, dict[str, np.ndarray]]]
+    masks: np.ndarray | float = 0.0  # kept across the step (the runtime builds them once)
+
+    def saved(self) -> np.ndarray:
+        return _sum(self.attn_saved) + _sum(self.mlp_saved)
+
+
+def _sum(parts: dict[str, np.ndarray | float]) -> np.ndarray | float:
+    total = 0.0
+    for v in parts.values():
+        total = total + v
+    return total
+
+
+def _merge(*dicts: dict) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out[k] + v if k in out else v
+    return out
+
+
+def ffn_elements(model: ModelSpec, eager: bool) -> float:
+    """Elements per token the MLP keeps for backward: SwiGLU's gate, up and product (fused
+    Megatron accounting, 3 x ffn) or, eager, also silu(gate) (4 x ffn); a routed copy per
+    top-k expert with its input."""
+    per = 4 if eager else 3
+    if model.moe:
+        moe = model.moe
+        return moe.top_k * (model.hidden + per * moe.expert_ffn) + per * moe.dense_ffn
+    return per * model.ffn
+
+
+def layer_memory(model: ModelSpec, layout: Layout, a: AttentionSpec, s: Sizes,
+                 eager: bool) -> LayerMemory:
+    """The per-op live bytes of one layer of kind `a` on every rank."""
+    dt, tp, h = s.dt, s.tp, model.hidden
+    T = s.tokens
+    unit = T * dt / tp  # bytes of one element per token, TP-sharded
+    q_width = a.n_heads * a.head_dim
+    gate = q_width if a.gated_q else 0
+    kv_w = a.kv_width
+    hid, f = s.hidden, ffn_elements(model, eager) * unit
+    width = model.moe.top_k * model.moe.expert_ffn + model.moe.dense_ffn if model.moe else model.ffn
+    f_one = width * unit  # one intermediate tensor (gate, up, or their gradients)
+    if a.kind == "linear":  # Gated-DeltaNet: q, k, v, gate and output; no K/V exchange
+        mixer = (2 * a.n_kv_heads * a.head_dim + 3 * q_width) * unit
+        attn = {"saved": 2 * hid + mixer}
+        return LayerMemory(attn, {"saved": 3 * hid + f},
+                           [("attn", attn, {}), ("mlp", _merge(attn, {"saved": 3 * hid + f}), {})],
+                           [("mlp", None, {"transient": 2 * f_one}),
+                            ("attn", None, {"transient": mixer})])
+    positions = T / s.batch  # queries (and local keys) per sequence
+    pattern = kv_rows.pattern(layout, a, "forward")
+    received = kv_rows.held_at_once(layout, a).astype(float)  # remote K/V rows per sequence
+    own = kv_rows.packed_rows(layout, a).astype(float)  # rows this rank sends (its shard)
+    row = s.batch * kv_w * a.kv_tensors * dt / tp  # one K/V row (K and V) of every sequence
+    heads = a.n_heads / tp
+    if eager:
+        return _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row,
+                            heads, a.n_kv_heads / tp, pattern)
+    return _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own,
+                        row, heads, pattern, a)
+
+
+def _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row, heads,
+                 kv_heads, pattern) -> LayerMemory:
+    """runtime/models/model.py + runtime/models/attention.py as autograd runs them (module docstring)."""
+    dt, batch = s.dt, s.batch
+    qw = q_width * unit
+    # attn_norm keeps x*rsqrt and its output (the q/k/v GEMMs' input), the score matmul the
+    # rotated q (in place: its broadcast over K/V heads is a view); RoPE keeps only its tables
+    # (its products with cos/sin need no input saved: the tables do not require grad)
+    pre = {"saved": 2 * hid + qw + gate * unit}
+    calls = [("attn.local", positions)]
+    if pattern in ("all-gather", "all-to-all"):
+        calls.append(("attn.remote", received))
+    merged = len(calls) > 1
+    scores_of = {name: batch * heads * positions * keys * dt for name, keys in calls}
+    kept = {"saved": 0.0, "scores": 0.0, "kv": 0.0, "masks": 0.0}
+    forward, kept_after = [], []
+    # The score and output matmuls broadcast K and V over the query heads of their group and
+    # flatten the batch dims: a view when there is one group per call (batch x K/V heads = 1)
+    # or one query head per K/V head, else a copy of K and of V at query width (torch.matmul's
+    # expand + reshape), which autograd keeps instead of the K/V themselves
+    copies = heads > kv_heads and batch * kv_heads > 1
+    for name, keys in calls:
+        if copies:
+            kv_kept = 2 * batch * keys * q_width * dt / s.tp
+        else:  # views of the rank's own K/V (local) or of the received buffer (remote)
+            kv_kept = 2 * kv_w * unit if name == "attn.local" else received * row
+        scores = scores_of[name]
+        if name == "attn.remote":  # the gathered rows arrive: send buffer, gather slots, rows
+            exchange = (2 * kv_w * unit + own * row * (own > 0)
+                        + (received + own) * row + received * row)
+            forward.append(("kv.gather", _merge(pre, kept), {"comm": exchange}))
+        mask = positions * keys  # ~allowed, bool, saved by masked_fill
+        during = _merge(pre, kept, {"kv": kv_kept, "masks": mask})
+        extra = {"scores": 3 * scores}  # masked scores, scores - max, exp: at the exp
+        if name == "attn.remote" and copies:
+            extra["comm"] = received * row  # the received rows, until the call returns
+        forward.append((name, during, extra))
+        kept = _merge(kept, {"kv": kv_kept, "masks": mask, "scores": scores,
+                             "saved": qw * (2 if merged else 1)})  # e@v (and out, for the merge)
+        kept_after.append(_merge(pre, kept))
+    attn = _merge(pre, kept, {"saved": qw})  # the attention output, copied for the out GEMM
+    if merged:
+        forward.append(("attn.merge", _merge(pre, kept), {"transient": 3 * qw}))
+    # x + attn (the MLP's residual input), ffn_norm's two, gate, silu, up, product
+    mlp = {"saved": 3 * hid + f}
+    forward.append(("mlp", _merge(attn, mlp), {"transient": 2 * hid}))
+    # backward: the MLP (gradients of two intermediates at once), then the calls in reverse;
+    # at a call's backward its own exp-scores are saved and the gradient of e and the sum of
+    # its two uses are two more score matrices; a later call's buffers are gone by then
+    backward = [("mlp", None, {"transient": 2 * f_one})]
+    for c in reversed(range(len(calls))):
+        name = calls[c][0]
+        backward.append((name, kept_after[c], {"scores": 2 * scores_of[name], "transient": 2 * qw}))
+        if name == "attn.remote":  # dK/dV of the received rows go home: the rows, the full
+            backward.append(("dkv.scatter", kept_after[c - 1],  # buffer with own zeros, out
+                             {"dkv": received * row + (received + own) * row + own * row}))
+    masks = positions * (positions + (received if merged else 0))  # each route's, built once
+    return LayerMemory(attn, mlp, forward, backward, masks)
+
+
+def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row,
+                 heads, pattern, a) -> LayerMemory:
+    """The reference implementation on a GPU (implementation.md sections 1-3)."""
+    batch = s.batch
+    qw = q_width * unit
+    lse = batch * heads * positions * 4  # fp32 log-sum-exp per query head
+    acc = batch * positions * q_width * 4 / s.tp  # one fp32 [queries x q width] accumulator
+    # norm inputs and the q/k/v GEMM input (Megatron: 2h before attention), q, k, v, out
+    pre = {"saved": 2 * hid + 2 * qw + gate * unit + 2 * kv_w * unit + lse}
+    forward, kept = [], {"kv": 0.0}
+    if pattern == "all-gather":
+        gathered = (received + own) * row  # the whole exchange's K and V (CP: 2L, CSBP: L)
+        # a reorder copy (CP: into logical order, kept for backward) is a second buffer of them;
+        # further passes replace it, so at most two are live
+        passes = s.family.forward.copy_passes if s.family is not None else (1 if layout.plan.bp == 1 else 0)
+        forward.append(("kv.gather", pre, {"comm": gathered * (1 + min(passes, 1))}))
+        kept = {"kv": gathered}
+    elif pattern == "all-to-all":
+        kept = {"kv": received * row}
+        forward.append(("kv.gather", pre, {"comm": 2 * kept["kv"]}))
+    elif pattern == "ring":  # two ring buffers in flight; nothing kept (streamed again)
+        forward.append(("kv.ring1", pre, {"comm": 2 * received * row}))
+    split = pattern != "none" or layout.kind == "bp"
+    # a split attention merges partial outputs by LSE with an fp32 numerator
+    forward.append(("attn.local" if split else "attn", _merge(pre, kept),
+                    {"transient": (acc + qw) if split else 0.0}))
+    attn = _merge(pre, kept)
+    mlp = {"saved": 2 * hid + f}  # the residual's norm input and output, SwiGLU's three
+    forward.append(("mlp", _merge(attn, mlp), {"transient": 2 * hid}))
+    keys = positions + received if pattern != "ring" else positions + 2 * received
+    dkv = batch * keys * kv_w * a.kv_tensors * s.dt / s.tp  # dK, dV of every key it read
+    backward = [("mlp", None, {"transient": 2 * f_one}),
+                ("attn.local" if split else "attn", None, {"transient": acc + qw, "dkv": dkv})]
+    if pattern in ("all-gather", "all-to-all"):
+        # CP: concatenation, index_select and a copy into the send buffer (section 1); CSBP
+        # writes straight into the reduce-scatter buffer (section 2)
+        passes = s.family.backward.copy_passes if s.family is not None else (3 if layout.plan.bp == 1 else 0)
+        copies = 2 if passes else 1  # the send buffer, and one copy beside it while copying
+        backward.append(("dkv.scatter", None, {"dkv": dkv + copies * (received + own) * row}))
+    return LayerMemory(attn, mlp, forward, backward)
+
+
+# ---- weights, gradients, optimizer state ----------------------------------------------------
+
+# AdamW's two moments in fp32, and the fp32 master copy of weights trained in bf16/fp16
+# (mixed precision); fp32 training (the CPU runtime) updates the weights themselves.
+ADAM_BYTES_PER_PARAM = 8
+MASTER_BYTES_PER_PARAM = 4
+
+
+@dataclass(frozen=True)
+class WeightState:
+    """Per rank bytes of the weight side under the ZeRO stage (module docstring of memory.py)."""
+
+    params: float
+    master: float
+    optimizer: float
+    layer_grads: dict[AttentionSpec, float]  # one layer's gradients as the backward leaves them
+    head_grads: float  # LM head and final norm (first in the backward)
+    embed_grads: float  # embedding (last in the backward; 0 when tied or frozen)
+    grads: float  # all of them, after the backward
+    bucket: float  # ZeRO-2/3: a layer's full gradients before the reduce-scatter shards them
+    largest_tensor: float  # the largest parameter tensor (an optimizer temporary's size)
+    trainable: float  # this rank's trainable parameters (elements) the optimizer updates
+    replicas: int  # ranks summing the same gradients (1: no gradient sync)
+
+
+_WEIGHTS: dict[tuple, tuple[ModelSpec, WeightState]] = {}
+
+
+def weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
+                 frozen_router: bool = False) -> WeightState:
+    """Parameters, master copy, gradients and AdamW state per rank, sharded by ZeRO stage:
+    stage 1 shards optimizer state and master, 2 also gradients, 3 also parameters (gathered a
+    layer at a time, the next one prefetched). Kept per model and degrees (a search asks the
+    same few many times)."""
+    key = (id(model), zero, dt, plan.dp, plan.ctx, plan.tp, plan.ep, frozen_embeddings,
+           frozen_router)
+    hit = _WEIGHTS.get(key)
+    if hit is None or hit[0] is not model:
+        if len(_WEIGHTS) > 4096:
+            _WEIGHTS.clear()
+        hit = _WEIGHTS[key] = (model, _weight_state(model, zero, dt, plan, frozen_embeddings,
+                                                    frozen_router))
+    return hit[1]
+
+
+def _weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
+                  frozen_router: bool) -> WeightState:
+    h = model.hidden
+    n_dense = plan.dp * plan.ctx * plan.ep  # ranks holding the same dense shard
+    n_expert = plan.dp * plan.ctx * plan.tp
+    embed = model.embedding_params() / plan.tp
+    frozen = embed if frozen_embeddings else 0.0
+    expert_layer = model.expert_params_per_layer() / plan.ep
+    router = h * model.moe.n_experts / plan.ep if (model.moe and frozen_router) else 0.0
+    layer = {a: (model.mixer_params(a) + model.dense_ffn_params() + 2 * h) / plan.tp + expert_layer
+             - router for a in _layer_structure(model).kinds}
+    dense = model.dense_params() / plan.tp - frozen
+    expert = model.n_layers * expert_layer
+    trainable_full = dense + expert - model.n_layers * router
+    sharded = dense / n_dense + expert / n_expert
+    shard = sharded / max(trainable_full, 1.0)
+    largest_layer = max(layer.values()) if layer else 0.0
+    params = ((dense + expert) if zero < 3 else sharded + 2 * largest_layer) * dt + frozen * dt
+    owned = trainable_full if zero < 1 else sharded
+    master = owned * MASTER_BYTES_PER_PARAM if dt < 4 else 0.0
+    tied = model.tie_embeddings
+    head = 0.0 if frozen_embeddings else (model.vocab * h / plan.tp + h)
+    emb = 0.0 if (frozen_embeddings or tied) else model.vocab * h / plan.tp
+    g = dt if zero < 2 else dt * shard
+    widths = [model.vocab, model.ffn, *(a.n_heads * a.head_dim for a in layer)]
+    if model.moe:
+        widths.append(model.moe.expert_ffn)
+    return WeightState(
+        params=params, master=master, optimizer=owned * ADAM_BYTES_PER_PARAM,
+        layer_grads={a: v * g for a, v in layer.items()}, head_grads=head * g, embed_grads=emb * g,
+        grads=trainable_full * g, bucket=2 * largest_layer * dt if zero >= 2 else 0.0,
+        largest_tensor=max(widths) * h / plan.tp * 4, trainable=owned,
+        replicas=plan.dp * plan.ctx * plan.ep)
+
+
+# ---- the walk -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Structure:
+    """Where each layer kind sits in the stack: found once per model (a search asks thousands
+    of times, and comparing layer specs is slow)."""
+
+    n: int
+    kinds: tuple[AttentionSpec, ...]
+    first: dict
+    last: dict
+    count: dict
+    before_count: dict  # kind -> layers of that kind before index i, i = 0..n
+
+
+_STRUCTURES: dict[int, tuple[ModelSpec, _Structure]] = {}
+
+
+def _layer_structure(model: ModelSpec) -> _Structure:
+    hit = _STRUCTURES.get(id(model))
+    if hit is None or hit[0] is not model:
+        if len(_STRUCTURES) > 64:
+            _STRUCTURES.clear()
+        layers = model.layers
+        kinds = tuple(dict.fromkeys(layers))
+        index = [kinds.index(a) for a in layers]
+        n = len(layers)
+        st = _Structure(
+            n=n, kinds=kinds,
+            first={a: index.index(k) for k, a in enumerate(kinds)},
+            last={a: n - 1 - index[::-1].index(k) for k, a in enumerate(kinds)},
+            count={a: index.count(k) for k, a in enumerate(kinds)},
+            before_count={a: np.cumsum([0] + [int(j == k) for j in index])
+                          for k, a in enumerate(kinds)})
+        hit = _STRUCTURES[id(model)] = (model, st)
+    return hit[1]
+
+
+def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, eager: bool,
+         checkpointing: bool, loss: np.ndarray | float, context: np.ndarray | float = 0.0,
+         zero: int = 0) -> Timeline:
+    """The step in program order (module docstring); returns every moment with its bytes."""
+    tl = Timeline(len(sizes.tokens))
+    shape = _layer_structure(model)
+    layers, n = model.layers, shape.n
+    kinds = {a: layer_memory(model, layout, a, sizes, eager) for a in shape.kinds}
+    hid = sizes.hidden
+    fixed = {"params": weights.params, "master": weights.master, "optimizer": weights.optimizer,
+             "context": context}
+    if eager:
+        fixed["masks"] = _sum({i: m.masks for i, m in enumerate(kinds.values())})
+    first, last = shape.first, shape.last
+    stored_name = "checkpointed" if checkpointing else "saved"
+    layer_name = "layer" if checkpointing else "saved"
+
+    # prefix sums over layers: what the layers before i keep, gradients of the layers after i
+    before_count = shape.before_count
+    grads_total_layers = sum(weights.layer_grads[a] * shape.count[a] for a in kinds)
+
+    def stored_before(i: int) -> dict:
+        if checkpointing:
+            return {"checkpointed": i * hid}
+        out: dict = {"saved": i * hid}
+        for a, mem in kinds.items():
+            c = int(before_count[a][i])
+            if c:
+                out = _merge(out, {k: c * v for k, v in _merge(mem.attn_saved, mem.mlp_saved).items()})
+        return out
+
+    def grads_after(i: int) -> float:
+        done = sum(weights.layer_grads[a] * int(before_count[a][n] - before_count[a][i + 1])
+                   for a in kinds)
+        return weights.head_grads + done
+
+    def rename(d: dict, saved_as: str) -> dict:
+        return {(saved_as if k == "saved" else k): v for k, v in d.items()}
+
+    # forward: the last layer of each kind holds the most (everything below it is stored).
+    # Under full checkpointing a layer's forward holds what its recompute holds, less the
+    # gradients and the incoming gradient the recompute has beside it: never the peak, skipped.
+    own_input = {stored_name: hid}
+    for a in ([] if checkpointing else sorted(kinds, key=lambda a: last[a])):
+        i, mem = last[a], kinds[a]
+        below = stored_before(i)
+        for op, during, extra in mem.forward:
+            # checkpointed forward keeps nothing once an op's output is consumed, but the
+            # tensors an op reads and writes are the ones it would save
+            tl.at(Moment("forward", op, i), fixed, below, own_input, rename(during, "transient"),
+                  extra)
+    # loss: every layer's stored part, the final hidden state and norm, the loss buffers
+    tl.at(Moment("loss", "cross-entropy"), fixed, stored_before(n),
+          {stored_name: hid, "transient": 2 * hid, "loss": loss})
+    # backward, last layer first; each kind at its last layer (most stored below) and its first
+    # (most gradients above)
+    visits = sorted({(last[a], a) for a in kinds} | {(first[a], a) for a in kinds},
+                    key=lambda x: -x[0])
+    recomputed = {a: [(op, rename(during, "layer"), extra) for op, during, extra in m.forward]
+                  for a, m in kinds.items()} if checkpointing else {}
+    # each kind's backward buffers, renamed once (a kind is visited at two layers)
+    backwards = {a: [(m.backward[0][0], rename(_merge(m.attn_saved, m.mlp_saved), layer_name),
+                      m.backward[0][2])]
+                 + [(op, rename(m.attn_saved if still is None else still, layer_name), extra)
+                    for op, still, extra in m.backward[1:]] for a, m in kinds.items()}
+    for i, a in visits:
+        grads = grads_after(i) + (weights.bucket if zero >= 2 else 0.0)
+        below = stored_before(i)
+        here = {stored_name: hid, "grads": grads, "transient": hid}
+        for op, during, extra in recomputed.get(a, ()):
+            tl.at(Moment("recompute", op, i), fixed, below, here, during, extra)
+        for op, layer, extra in backwards[a]:
+            tl.at(Moment("backward", op, i), fixed, below, here, layer, extra)
+    all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
+    if zero >= 2:
+        all_grads = weights.grads
+    tl.at(Moment("backward", "embed-bwd", 0), fixed, {"grads": all_grads, "transient": hid})
+    if weights.replicas > 1 and zero < 2:
+        # the gradients flattened into one buffer (runtime/plans/dp.py) or DDP's buckets
+        tl.at(Moment("grad-sync", "grads.all-reduce"), fixed, {"grads": all_grads, "comm": all_grads})
+    # AdamW: per tensor (CPU: foreach off) sqrt and division temporaries of the largest tensor;
+    # foreach (CUDA) one fp32 temporary list of every updated parameter
+    temp = 2 * weights.largest_tensor if eager else weights.trainable * 4
+    tl.at(Moment("optimizer", "adamw"), fixed, {"grads": all_grads, "transient": temp})
+    return tl
+
+
+def masked_loss_bytes(model: ModelSpec, noisy: np.ndarray, dt: int, tp: int) -> np.ndarray:
+    """The eager runtime's loss: logits of the masked noisy tokens only (the others weigh 0),
+    their log-softmax and its gradient in fp32, and the gathered hidden rows."""
+    hit = noisy * MASKED_FRACTION
+    vocab = math.ceil(model.vocab / tp)
+    return hit * (3 * vocab * 4 + model.hidden * dt)

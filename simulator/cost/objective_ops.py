@@ -1,0 +1,186 @@
+"""What each training objective adds to the step: drafter conditioning and its storage read,
+self-conditioning, the loss and its LM head, and the step's useful FLOPs (`objectives.py` holds
+the facts, this module turns them into ops). A mixin of the builder.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from csbp.simulator.layout import mask
+from csbp.simulator.layout.objective_layout import anchor_blocks, canvas_view
+from csbp.simulator.layout.pairs import QueryIntervals
+from csbp.simulator.workload.spec import AttentionSpec
+from csbp.simulator.cost.linear_ops import delta_rule_flops_per_token
+from csbp.simulator.cost.step_ops import COUNT_BYTES, LOSS_BYTES, Comm, Compute, Deps, Work
+from csbp.simulator.workload.workload import Workload
+
+@functools.lru_cache(maxsize=64)
+def _sequence_pairs(seq_len: int, block: int, window: int | None) -> int:
+    return QueryIntervals(((0, 2 * seq_len),), seq_len, block, window).total()  # = mask.pairs
+
+@functools.lru_cache(maxsize=64)
+def _canvas_pairs(seq_len: int, block: int, window: int | None) -> int:
+    return QueryIntervals(((0, seq_len),), seq_len, block, window).total()  # = mask.pairs
+
+def _anchor_tokens(w: Workload) -> int:
+    return min(w.max_anchors, w.n_blocks) * w.block_size
+
+def _anchor_pairs(w: Workload) -> int:
+    spans = tuple((k * w.block_size, (k + 1) * w.block_size) for k in anchor_blocks(w.n_blocks, w.max_anchors))
+    return mask.pairs(spans, w.seq_len, w.block_size)
+
+def _scaled(work: Work, p: float) -> Work:
+    """The expected work of something that runs with probability p."""
+    if isinstance(work, Comm):
+        return replace(work, bytes=tuple(b * p for b in work.bytes))
+    return replace(work, flops=tuple(f * p for f in work.flops), bytes=tuple(b * p for b in work.bytes),
+                   dense_flops=tuple(f * p for f in work.dense_flops),
+                   full_tile_flops=tuple(f * p for f in work.full_tile_flops),
+                   partial_tile_flops=tuple(f * p for f in work.partial_tile_flops))
+
+
+class ObjectiveOps:
+    """Objective-specific ops of the step (mixed into the builder)."""
+
+    # -- objective-specific work -----------------------------------------------------------------
+    def context_kv(self, a: AttentionSpec, ratio: float) -> Compute | None:
+        """Drafter: K and V projections of the target-feature tokens a rank holds (x ratio backward)."""
+        if not self.context.any() or a.kind == "linear":
+            return None
+        return self.gemm(ratio * 2 * self.context * self.m.hidden * a.kv_width * a.kv_tensors / self.tp,
+                         a.kv_tensors * (2 if ratio > 1 else 1))
+
+    def conditioning(self, backward: bool) -> Compute | None:
+        """Drafter: fc projection of the concatenated target layers to the hidden size.
+
+        The features are data (captured offline), so the backward is the weight gradient only.
+        """
+        if not self.context.any():
+            return None
+        return self.gemm(2 * self.context * self.m.conditioning_layers * self.m.hidden ** 2 / self.tp)
+
+    def storage_read(self) -> Compute | None:
+        """Stored inputs read inside the step (a drafter's offline target features): each rank
+        reads the features of the context tokens it holds, at its share of the node's storage
+        bandwidth, since every rank of a node reads at the step's start (implementation.md
+        section 5: the measured step includes loading its data and target features).
+
+        Which tokens a rank reads is an assumption [U]: the ones it turns into K/V (a loader that
+        reads the whole example on every context rank reads cp x more); TP peers read the same.
+        """
+        per_token = self.obj.stored_bytes_per_token(self.m)
+        if not per_token or not self.context.any():
+            return None
+        return Compute("storage-read", self.per_rank(0), self.per_rank(self.context * per_token),
+                       readers=min(self.gpn, self.p.world))
+
+    def canvas_sync(self, x: Deps) -> Deps:
+        """Whether the self-conditioning pass runs is one MAX all-reduce of a flag over its sync
+        group, every step (implementation.md section 4, DiffusionGemma)."""
+        axis = self.obj.canvas_sync_axis
+        if axis is None or not self.obj.canvas_passes:
+            return x
+        group = {"ep": self.g_ep}[axis]
+        return self.add(f"selfcond.draw.{axis}-max", "forward", None, self.comm(
+            "all-reduce", COUNT_BYTES * 2 * self.ring_share(group), group, "other"), x)
+
+    def canvas_pass(self, x: Deps) -> Deps:
+        """Self-conditioning: the expected share of a gradient-free forward of the canvas tokens,
+        their LM head and softmax, and the soft embedding they feed, appended as work scaled by
+        the pass's probability."""
+        p = self.obj.canvas_passes
+        sub = type(self)(self.m, self.w, self.p, canvas_view(self.lay), self.gpn, self.ops, self.notes,
+                       keys_at_home=self.keys_at_home, implementation=self.impl)
+        start = len(self.ops)
+        for li, a in enumerate(self.m.layers):
+            x = sub.layer(li, a, "forward", x)
+        x = sub.loss_forward(x, sub.noisy)
+        if self.obj.soft_embedding:
+            x = sub.soft_embedding(x)
+        scaled: dict[int, Work] = {}
+        for op in self.ops[start:]:
+            if id(op.work) not in scaled:
+                scaled[id(op.work)] = _scaled(op.work, p)
+            self.ops[op.index] = op._replace(name=f"selfcond.{op.name}", work=scaled[id(op.work)])
+        return x
+
+    def loss_rows(self) -> np.ndarray:
+        """Rows the LM head and loss run on: the noisy tokens, and every clean row too when the
+        objective adds an autoregressive loss on the clean stream (DiffusionGemma); a clean row
+        replicated on several ranks (pure BP, CSBP's replicas) runs it on each [U]."""
+        return self.tokens if self.obj.clean_loss else self.noisy
+
+    def head_calls(self, per_block: int) -> int:
+        """GEMM calls of the LM head: `per_block` per vocabulary block of the rank's V/tp."""
+        blk = self.obj.vocab_block
+        return per_block * (math.ceil(self.m.vocab / self.tp / blk) if blk else 1)
+
+    def loss_forward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
+        """Vocabulary-parallel LM head and cross-entropy over the loss rows (`loss_rows`)."""
+        h, V = self.m.hidden, self.m.vocab
+        rows = self.loss_rows() if rows is None else rows
+        x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", rows), x)
+        x = self.add("lm-head", "forward", None, self.gemm(2 * rows * h * V / self.tp, self.head_calls(1)), x)
+        # vocabulary-parallel cross-entropy: each row's max logit, then its target logit and sum
+        # of exponentials, all-reduced over TP in fp32 (Megatron's algorithm)
+        for name, values in (("max", 1), ("sums", 2)):
+            x = self.add(f"cross-entropy.{name}.ar", "forward", None, self.comm(
+                "all-reduce", rows * values * LOSS_BYTES * 2 * self.ring_share(self.g_tp),
+                self.g_tp, "tp"), x)
+        return self.add("cross-entropy", "forward", None, self.memory_bound(rows * V / self.tp * 4 * 3), x)
+
+    def soft_embedding(self, x: Deps) -> Deps:
+        """Self-conditioning's soft embedding: the canvas's probabilities times the embedding
+        matrix, each TP rank over its V/tp rows, the partial sums reduce-scattered to the
+        sequence shards as the embedding's are (implementation.md section 4, DiffusionGemma (2))."""
+        h, V = self.m.hidden, self.m.vocab
+        x = self.add("soft-embed", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
+        return self.add("soft-embed.rs", "forward", None, self.tp_collective("reduce-scatter", self.noisy), x)
+
+    def model_flops(self) -> float:
+        """One context group's step math, counted once: 3x forward GEMMs, 3.5x attention.
+
+        The graph's formulas on the unsplit sequence (every row, the clean stream's AR loss, the
+        expected self-conditioning forward with its soft embedding), so replicated work (pure
+        BP's clean prefix, CSBP's clean replicas, CP's replicated draft decoder) and recompute
+        (a frozen head's recomputed logits included) do not count as useful work.
+        """
+        m, obj = self.m, self.obj
+        draft = _anchor_tokens(self.w) if obj.context_as_kv else None
+        if draft is not None:  # drafter: draft tokens through the layers, context as K/V only
+            L, T = self.w.seq_len, draft
+            ctx = sum(3 * 2 * L * m.hidden * a.kv_width * a.kv_tensors for a in m.layers if a.kind != "linear")
+            pairs = dict.fromkeys(m.attention_kinds(), _anchor_pairs(self.w))
+            total = self._layers_flops(T, pairs, 3.0) + ctx
+            total += 2 * 2 * L * m.conditioning_layers * m.hidden ** 2  # fc: forward + weight gradient
+            total += 2 * 2 * T * m.hidden * m.vocab  # frozen head: forward + input gradient
+            return total * self.w.micro_batch
+        L, b = self.w.seq_len, self.w.block_size
+        pairs = {a: _sequence_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
+        head = 2 * L * m.hidden * m.vocab  # the LM head's forward over L rows
+        main = self._layers_flops(2 * L, pairs, 3.0) + 3 * head * (2 if obj.clean_loss else 1)
+        canvas = {a: _canvas_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
+        selfcond = self._layers_flops(L, canvas, 1.0) + head * (2 if obj.soft_embedding else 1)
+        # micro_batch counts the batch's rows (`batch_rows`): an objective's rows are all useful
+        return (obj.passes * main + obj.canvas_passes * selfcond) * self.w.micro_batch
+
+    def _layers_flops(self, tokens: float, pairs: dict[AttentionSpec, float], gemm_x: float) -> float:
+        """Every layer's GEMMs on `tokens` (x gemm_x) and attention on its pairs (x gemm_x + 0.5
+        for forward+backward, x1 for a forward only)."""
+        m, total = self.m, 0.0
+        attn_x = gemm_x + 0.5 if gemm_x > 1 else 1.0
+        for a in m.layers:
+            gemm = m.mixer_params(a) + m.dense_ffn_params()
+            if m.moe:
+                gemm += m.moe.top_k * 3 * m.hidden * m.moe.expert_ffn + m.hidden * m.moe.n_experts
+            total += gemm_x * 2 * tokens * gemm
+            if a.kind == "linear":
+                total += attn_x * tokens * a.n_heads * delta_rule_flops_per_token(a.head_dim, a.head_dim)
+            else:
+                total += attn_x * pairs[a] * 4 * a.head_dim * a.n_heads
+        return total

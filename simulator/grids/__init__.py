@@ -1,0 +1,1 @@
+"""many searches at once: sweeps, decision maps, what-ifs and sensitivities."""

@@ -1,0 +1,182 @@
+"""K/V rows each rank of a context group receives in a layout's exchanges, from the shares alone.
+
+`Layout.exchange` lists every transfer, which is what the runtime executes and the step graph
+times: an all-gather over n ranks holds n(n-1) of them, a ring n per step. Memory, the traffic
+figure and the planner's screen need only per-rank totals, and at a few hundred ranks listing the
+transfers costs more than the rest of the screen; the totals follow from who owns which rows
+(each rank's shard, its cp group, the rows its queries read), counted here with arrays and kept
+with the layout's ownership. `tests/test_kv_rows.py` holds them equal to the exchanges' counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from csbp.simulator.layout.layout import Layout, Payload, Phase
+from csbp.simulator.layout.spans import Span, normalize, size, subtract
+from csbp.simulator.workload.spec import AttentionSpec
+
+PHASES: tuple[Phase, ...] = ("forward", "recompute", "backward")
+
+
+def pattern(layout: Layout, a: AttentionSpec, phase: Phase) -> str:
+    """The exchange's pattern, decided as `Layout.exchange` decides it (without its transfers)."""
+    if layout.kind not in ("cp", "csbp") or a.kind == "linear":
+        return "none"
+    if phase == "recompute" and layout.checkpointing != "full":
+        return "none"
+    if a.kind == "sliding" and layout.kind == "csbp":
+        return "all-to-all"
+    return "ring" if layout.plan.transport == "ring" else "all-gather"
+
+
+def received(layout: Layout, a: AttentionSpec, phase: Phase) -> np.ndarray:
+    """Rows (K/V, and dK/dV in the backward) each rank receives in one layer's exchange."""
+    kind = pattern(layout, a, phase)
+    key = ("kv-rows", kind, a.window if kind == "all-to-all" else None, phase == "backward")
+    if key not in layout.derived:
+        layout.derived[key] = _received(layout, a, kind, phase == "backward")
+    return layout.derived[key]
+
+
+def held_at_once(layout: Layout, a: AttentionSpec) -> np.ndarray:
+    """Remote K/V rows a rank holds at once in one layer's forward: everything it receives, or
+    for a ring the largest step (the runtime keeps two buffers in flight; memory counts them)."""
+    if pattern(layout, a, "forward") != "ring":
+        return received(layout, a, "forward")
+    key = ("kv-rows-ring-step",)
+    if key not in layout.derived:
+        own = owned_rows(layout)
+        step = np.zeros(layout.size, dtype=np.int64)
+        for g in map(np.array, layout.cp_groups()):
+            if len(g) < 2:
+                continue
+            mine = own[g]
+            first, second = np.sort(mine)[::-1][:2]  # the largest other shard: the largest, or
+            alone = (mine == first) & ((mine == first).sum() == 1)  # the second if it is mine
+            step[g] = np.where(alone, second, first)
+        layout.derived[key] = step
+    return layout.derived[key]
+
+
+def step_received(layout: Layout, a: AttentionSpec, phase: Phase, step: int,
+                  payload: Payload | None = None) -> np.ndarray:
+    """Rows each rank receives in one step of the exchange (`payload`: only K/V or only dK/dV).
+
+    A collective is one step (K/V forward, their gradients home in the backward); a ring's step
+    s brings every rank the shard of the member s places back, the backward's steps also carry
+    that shard's partial dK/dV from the second step on, and its last step takes each shard's
+    gradients home.
+    """
+    kind = pattern(layout, a, phase)
+    backward = phase == "backward"
+    carries = "dkv" if backward else "kv"
+    if kind != "ring":
+        rows = received(layout, a, phase)
+        return rows if payload in (None, carries) else np.zeros_like(rows)
+    key = ("kv-rows-ring", backward, step, payload)
+    if key not in layout.derived:
+        own, out = owned_rows(layout), np.zeros(layout.size, dtype=np.int64)
+        for g in map(np.array, layout.cp_groups()):
+            m = len(g)
+            if step < m - 1:  # K/V (and partial dK/dV) of the member step + 1 places back
+                shard = own[g][(np.arange(m) - (step + 1)) % m]
+                kv = shard if payload in (None, "kv") else 0
+                dkv = shard if backward and step >= 1 and payload in (None, "dkv") else 0
+                out[g] = kv + dkv
+            elif backward and step == m - 1 and payload in (None, "dkv"):  # the hop home
+                out[g] = own[g]
+        layout.derived[key] = out
+    return layout.derived[key]
+
+
+def ring_senders(layout: Layout) -> tuple[int, ...]:
+    """The rank each one receives from in a ring: the previous member of its group."""
+    prev = list(range(layout.size))
+    for g in layout.cp_groups():
+        for i, r in enumerate(g):
+            prev[r] = g[i - 1]
+    return tuple(prev)
+
+
+def packed_rows(layout: Layout, a: AttentionSpec) -> np.ndarray:
+    """Rows each rank copies into one send buffer in the forward exchange: its shard once for
+    an all-gather (every member receives the same buffer), every row it sends for an all-to-all."""
+    kind = pattern(layout, a, "forward")
+    if kind == "all-to-all":
+        return _alltoall_rows(layout, a.window).sum(axis=0)
+    if kind == "all-gather":
+        own, out = owned_rows(layout), np.zeros(layout.size, dtype=np.int64)
+        for g in map(np.array, layout.cp_groups()):
+            out[g] = own[g] if len(g) > 1 else 0
+        return out
+    return np.zeros(layout.size, dtype=np.int64)
+
+
+def held(layout: Layout, what: str) -> np.ndarray:
+    """Positions ("positions"), noisy positions ("noisy") or clean K/V rows it owns ("context")
+    of each rank: counts the graph and the memory model both read, once per ownership."""
+    key = ("held", what)
+    if key not in layout.derived:
+        L = layout.seq_len
+        count = {"positions": lambda s: s.n_positions,
+                 "noisy": lambda s: _inside(s.positions, 0, L),
+                 "context": lambda s: _inside(s.owned_kv, L, 2 * L)}[what]
+        layout.derived[key] = np.array([count(s) for s in layout.shares], dtype=np.int64)
+    return layout.derived[key]
+
+
+def _inside(spans: tuple[Span, ...], lo: int, hi: int) -> int:
+    """Positions of `spans` (sorted, disjoint, as a layout keeps them) inside [lo, hi)."""
+    return sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
+
+
+def owned_rows(layout: Layout) -> np.ndarray:
+    key = ("owned-rows",)
+    if key not in layout.derived:
+        layout.derived[key] = np.array([size(s.owned_kv) for s in layout.shares], dtype=np.int64)
+    return layout.derived[key]
+
+
+def _received(layout: Layout, a: AttentionSpec, kind: str, backward: bool) -> np.ndarray:
+    n = layout.size
+    if kind == "none":
+        return np.zeros(n, dtype=np.int64)
+    if kind == "all-to-all":
+        sent = _alltoall_rows(layout, a.window)  # [dst, src]
+        return sent.sum(axis=0) if backward else sent.sum(axis=1)  # backward: gradients go home
+    own, out = owned_rows(layout), np.zeros(n, dtype=np.int64)
+    for g in map(np.array, layout.cp_groups()):
+        total, mine = own[g].sum(), own[g]
+        if kind == "all-gather":  # every other member's shard; backward: own shard from each
+            out[g] = (len(g) - 1) * mine if backward else total - mine
+        elif len(g) == 1:  # a ring of one: only the last hop, home to itself
+            out[g] = mine if backward else 0
+        else:  # ring: the other shards pass by; backward also their partial dK/dV (all but the
+            # previous member's shard), the last hop bringing each rank its own
+            out[g] = (total - mine) + (total - np.roll(mine, 1) if backward else 0)
+    return out
+
+
+def _alltoall_rows(layout: Layout, window: int) -> np.ndarray:
+    """[dst, src] rows of src's shard that dst's queries read (a windowed CSBP exchange)."""
+    key = ("kv-rows-alltoall", window)
+    if key in layout.derived:
+        return layout.derived[key]
+    n = layout.size
+    rows = np.zeros((n, n), dtype=np.int64)
+    for g in layout.cp_groups():
+        owned = [normalize(layout.shares[r].owned_kv) for r in g]
+        starts = np.array([s for spans in owned for s, _ in spans], dtype=np.int64)
+        stops = np.array([e for spans in owned for _, e in spans], dtype=np.int64)
+        src = np.repeat(np.array(g), [len(spans) for spans in owned])
+        for dst, mine in zip(g, owned):
+            need = subtract(layout.needed_kv(dst, window), mine)
+            if not need or not starts.size:
+                continue
+            s, e = np.array(need, dtype=np.int64).T
+            overlap = np.minimum(e[:, None], stops) - np.maximum(s[:, None], starts)
+            np.add.at(rows[dst], src, np.maximum(overlap, 0).sum(axis=0))
+            rows[dst, dst] = 0
+    layout.derived[key] = rows
+    return rows

@@ -1,0 +1,1 @@
+"""searching the plan space: bounds, screening, re-scoring, the plan file."""

@@ -1,0 +1,1 @@
+"""a simulation's result, its tables and its traces."""

@@ -1,0 +1,100 @@
+"""Named models of the CSBP study (shared/reference/workloads.md) plus tiny CPU models.
+
+Each preset says where its shapes come from; figures the reference marks unverified say so in
+`source`. `load_model(name_or_path)` is the one entry point: a preset name, or a path to a
+Hugging Face `config.json`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from csbp.simulator.errors import InputError
+from csbp.simulator.workload.spec import AttentionSpec, ModelSpec, MoESpec
+
+
+def _dense(name: str, layers: int, hidden: int, heads: int, kv: int, head_dim: int, ffn: int,
+           vocab: int, source: str, tie: bool = False, qkv_bias: bool = False) -> ModelSpec:
+    attn = AttentionSpec(n_heads=heads, n_kv_heads=kv, head_dim=head_dim)
+    return ModelSpec(name=name, hidden=hidden, ffn=ffn, vocab=vocab, layers=(attn,) * layers,
+                     tie_embeddings=tie, qkv_bias=qkv_bias, source=source)
+
+
+def _diffusiongemma() -> ModelSpec:
+    # 30 layers: 5 sliding-window (1024) layers then one global layer, repeated (Gemma 3 pattern).
+    sliding = AttentionSpec(kind="sliding", n_heads=16, n_kv_heads=8, head_dim=256, window=1024)
+    global_ = AttentionSpec(n_heads=16, n_kv_heads=2, head_dim=512, k_eq_v=True)
+    layers = tuple(global_ if (i + 1) % 6 == 0 else sliding for i in range(30))
+    return ModelSpec(
+        name="diffusiongemma-26b-a4b", hidden=2816, ffn=0, vocab=262144, layers=layers,
+        moe=MoESpec(n_experts=128, top_k=8, expert_ffn=704, dense_ffn=2112), tie_embeddings=True,
+        source="workloads.md; config from a third-party copy (unverified); 25 sliding + 5 global "
+               "layers placed every 6th (assumed Gemma-3 pattern); tied embeddings (assumed)",
+    )
+
+
+def _qwen35(name: str, note: str) -> ModelSpec:
+    # 64 layers: three Gated-DeltaNet layers then one full-attention layer, repeated.
+    full = AttentionSpec(n_heads=24, n_kv_heads=4, head_dim=256, gated_q=True)
+    gdn = AttentionSpec(kind="linear", n_heads=48, n_kv_heads=16, head_dim=128, conv_kernel=4)
+    layers = tuple(full if (i + 1) % 4 == 0 else gdn for i in range(64))
+    return ModelSpec(
+        name=name, hidden=5120, ffn=17408, vocab=248320, layers=layers,
+        source="workloads.md (48 Gated-DeltaNet + 16 full attention); linear-attention head counts "
+               "(16 key / 48 value heads of dim 128, conv 4) and the 3:1 interleave follow the "
+               "Qwen3-Next family (unverified)" + note,
+    )
+
+
+def _dflash2() -> ModelSpec:
+    attn = AttentionSpec(n_heads=32, n_kv_heads=8, head_dim=128)
+    return ModelSpec(
+        name="dflash2-qwen3.8-27b", hidden=5120, ffn=17408, vocab=248320, layers=(attn,) * 5,
+        conditioning_layers=5,
+        source="workloads.md: 5 layers, 32/8 heads; FFN width unverified (assumed = target's 17408); "
+               "vocabulary as the target",
+    )
+
+
+_PRESETS = {
+    "nemotron-diffusion-3b": lambda: _dense(
+        "nemotron-diffusion-3b", 26, 3072, 32, 8, 128, 8192, 131072, tie=True,
+        source="workloads.md; head dim 128 and FFN 8192 from Ministral 3B (unverified)"),
+    "nemotron-diffusion-8b": lambda: _dense(
+        "nemotron-diffusion-8b", 34, 4096, 32, 8, 128, 14336, 131072,
+        source="workloads.md (HF config of Nemotron-Labs-Diffusion 8B)"),
+    "nemotron-diffusion-14b": lambda: _dense(
+        "nemotron-diffusion-14b", 40, 5120, 32, 8, 128, 16384, 131072,
+        source="workloads.md; shapes of Ministral 3 14B (unverified)"),
+    "diffusiongemma-26b-a4b": _diffusiongemma,
+    "qwen3.5-27b": lambda: _qwen35("qwen3.5-27b", ""),
+    "qwen3.8-27b": lambda: _qwen35("qwen3.8-27b", "; Qwen3.8 assumed identical to Qwen3.5 (unverified)"),
+    "dflash2-qwen3.8-27b": _dflash2,
+    "qwen3-8b": lambda: _dense("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936,
+                               source="workloads.md (Qwen3-8B config)"),
+    "qwen2.5-7b": lambda: _dense("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, qkv_bias=True,
+                                 source="workloads.md (Qwen2.5-7B config)"),
+    "tiny": lambda: _dense("tiny", 2, 64, 4, 2, 16, 128, 256, source="csbp test model for CPU runs"),
+    "tiny-moe": lambda: ModelSpec(
+        name="tiny-moe", hidden=64, ffn=0, vocab=256,
+        layers=(AttentionSpec(n_heads=4, n_kv_heads=2, head_dim=16),) * 2,
+        moe=MoESpec(n_experts=8, top_k=2, expert_ffn=64, dense_ffn=64),
+        source="csbp test MoE model for CPU runs (expert and tensor parallelism)"),
+}
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset by name, or a Hugging Face `config.json` by path."""
+    if name_or_path in _PRESETS:
+        return _PRESETS[name_or_path]()
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists():
+        from csbp.simulator.workload.hf_config import model_from_hf_config
+
+        return model_from_hf_config(path)
+    raise InputError(f"unknown model {name_or_path!r}: use a preset ({', '.join(PRESET_NAMES)}) "
+                     "or a path to a Hugging Face config.json")
