@@ -29,7 +29,9 @@ from csbp.simulator.layout.layout import Layout
 from csbp.simulator.layout.layout import clear_caches as clear_layout_caches
 from csbp.simulator.cost.linear_ops import (DELTA_RULE_CHUNK, LINEAR_STATE_BYTES,  # noqa: F401 (re-exported)
                                        LinearAttentionOps, delta_rule_flops_per_token)
+from csbp.simulator.cost.loss_ops import LossOps
 from csbp.simulator.cost.objective_ops import ObjectiveOps, _canvas_pairs, _sequence_pairs
+from csbp.simulator.cost.optimizer_ops import ADAMW_BYTES_PER_PARAM, OptimizerOps  # noqa: F401 (re-exported)
 from csbp.simulator.workload.objectives import ObjectiveShape, batch_rows, objective_shape
 from csbp.simulator.layout.pairs import pairs_with_keys  # noqa: F401 (re-exported)
 from csbp.simulator.cost.placement import _placed_group, group_on_nodes
@@ -41,9 +43,6 @@ from csbp.simulator.workload.workload import Workload
 
 # Training does dgrad + wgrad: a linear layer's backward is twice its forward.
 GEMM_BACKWARD_FLOP_RATIO = 2.0
-# Fused AdamW per parameter: reads fp32 master, m, v and a bf16 grad, writes master, m, v and the
-# bf16 weight: 3*4+2 bytes each way.
-ADAMW_BYTES_PER_PARAM = 28
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class StepGraph:
 # ---- the builder --------------------------------------------------------------------------------
 
 
-class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps):
+class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, OptimizerOps):
     """Appends the ops of one step in program order; each helper returns the ops that end it."""
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -327,72 +326,10 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps):
         x = self.add("norm-rope-bwd", "backward", li, norm_work, x)
         return self.add("attn-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x)
 
-    # -- parameters and gradients -------------------------------------------------------------
-    def layer_params(self, a: AttentionSpec) -> tuple[float, float]:
-        """(dense, expert) parameters one rank holds of a layer: dense /tp, experts /ep; norms
-        and the router whole (every rank routes its own tokens)."""
-        m = self.m
-        router = m.hidden * m.moe.n_experts if m.moe else 0
-        dense = (m.mixer_params(a) + m.dense_ffn_params()) / self.tp + 2 * m.hidden + router
-        return dense, (m.expert_params_per_layer() - router) / self.p.ep
-
-    def sequence_parallel_params(self) -> float:
-        """Weights every TP rank holds whole but applies to its own sequence shard (norms, a
-        trained router): their gradients are partial sums over the TP group."""
-        m = self.m
-        router = m.hidden * m.moe.n_experts if m.moe and not self.obj.frozen_router else 0
-        return m.n_layers * (2 * m.hidden + router) + m.hidden
-
-    def edge_params(self) -> tuple[float, float]:
-        """(LM head, embedding + final norm + conditioning) parameters one rank trains.
-
-        A drafter's embedding and LM head are the frozen target's: only the norm and the
-        conditioning projection remain.
-        """
-        m, tp = self.m, self.tp
-        cond = (m.conditioning_layers * m.hidden ** 2) / tp + m.hidden
-        if self.obj.frozen_embeddings:
-            return 0.0, cond
-        head = m.vocab * m.hidden / tp
-        return head, m.embedding_params() / tp - head + cond
-
-    def trained_params(self) -> tuple[float, float]:
-        """(dense, expert) parameters one rank trains: every layer plus the edges."""
-        layers = [self.layer_params(a) for a in self.m.layers]
-        return sum(d for d, _ in layers) + sum(self.edge_params()), sum(e for _, e in layers)
-
-    def grad_sync(self, layer: int | None, dense: float, expert: float, x: Deps) -> Deps:
-        """Reduce one bucket of gradients over its data-parallel group (ZeRO >= 1: reduce-scatter)."""
-        collective: Collective = "reduce-scatter" if self.w.zero_stage >= 1 else "all-reduce"
-        out: Deps = ()
-        for what, params, group in (("dense", dense, self.g_dense), ("experts", expert, self.g_expert)):
-            share = self.ring_share(group) * (2 if collective == "all-reduce" else 1)
-            work = self.cached(("grads", what, params), lambda: self.comm(
-                collective, params * self.dt * share, group, "gradients"))
-            out += self.add(f"grads.{what}.{collective}", "grad-sync", layer, work, x) if work else ()
-        return out
-
-    def param_gather(self, name: str, phase: Phase, layer: int | None, dense: float,
-                     expert: float, x: Deps) -> Deps:
-        """ZeRO: all-gather parameter shards (a layer's for ZeRO-3, all updated ones for 1/2)."""
-        out: Deps = ()
-        for what, params, group in (("dense", dense, self.g_dense), ("experts", expert, self.g_expert)):
-            work = self.cached(("params", what, params), lambda: self.comm(
-                "all-gather", params * self.dt * self.ring_share(group), group, "params"))
-            out += self.add(f"{name}.{what}", phase, layer, work, x) if work else ()
-        return out
-
-    def optimizer(self) -> Compute:
-        dense, expert = self.trained_params()
-        if self.w.zero_stage >= 1:
-            dense, expert = dense / self.g_dense.size, expert / self.g_expert.size
-        return self.memory_bound((dense + expert) * ADAMW_BYTES_PER_PARAM, "optimizer")
-
-
     # -- the step ------------------------------------------------------------------------------
     def build(self) -> StepGraph:
         m, w, layers, obj = self.m, self.w, self.m.layers, self.obj
-        h, V = m.hidden, m.vocab
+        h = m.hidden
         zero3, recompute = w.zero_stage == 3, w.checkpointing == "full"
         head_params, edge_params = self.edge_params()
         self.notes.extend(obj.notes)
@@ -415,11 +352,6 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps):
                           + ("; updated parameters all-gathered after the optimizer, not hidden "
                              "behind the next step" if w.zero_stage in (1, 2) else ""))
         embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
-        # the LM head's backward: input and weight gradients, or the input gradient of a frozen
-        # head; plus the forward again where the logits are recomputed in backward
-        head_ratio = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO) + obj.head_recompute
-        head_calls = (1 if obj.frozen_embeddings else 2) + obj.head_recompute
-        loss_rows = self.loss_rows()
         grads, x = (), ()
         bucketed = not self.one_bucket
         # the step's stored inputs, read before anything can use them: exposed
@@ -438,9 +370,7 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps):
                     prefetch = self.param_gather("zero3.params", "forward", li, *self.layer_params(a), prefetch)
                 x = self.layer(li, a, "forward", x + prefetch)
             x = self.loss_forward(x)
-            x = self.add("lm-head-bwd", "backward", None, self.gemm(
-                head_ratio * 2 * loss_rows * h * V / self.tp, self.head_calls(head_calls)), x)
-            x = self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", loss_rows), x)
+            x = self.loss_backward(x)
             if last_view and bucketed and head_params and not m.tie_embeddings:
                 grads += self.grad_sync(None, head_params, 0.0, x)
             prefetch = ()

@@ -6,17 +6,14 @@ the facts, this module turns them into ops). A mixin of the builder.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import replace
-
-import numpy as np
 
 from csbp.simulator.layout import mask
 from csbp.simulator.layout.objective_layout import anchor_blocks, canvas_view
 from csbp.simulator.layout.pairs import QueryIntervals
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.cost.linear_ops import delta_rule_flops_per_token
-from csbp.simulator.cost.step_ops import COUNT_BYTES, LOSS_BYTES, Comm, Compute, Deps, Work
+from csbp.simulator.cost.step_ops import COUNT_BYTES, Comm, Compute, Deps, Work
 from csbp.simulator.workload.workload import Workload
 
 @functools.lru_cache(maxsize=64)
@@ -108,39 +105,6 @@ class ObjectiveOps:
                 scaled[id(op.work)] = _scaled(op.work, p)
             self.ops[op.index] = op._replace(name=f"selfcond.{op.name}", work=scaled[id(op.work)])
         return x
-
-    def loss_rows(self) -> np.ndarray:
-        """Rows the LM head and loss run on: the noisy tokens, and every clean row too when the
-        objective adds an autoregressive loss on the clean stream (DiffusionGemma); a clean row
-        replicated on several ranks (pure BP, CSBP's replicas) runs it on each [U]."""
-        return self.tokens if self.obj.clean_loss else self.noisy
-
-    def head_calls(self, per_block: int) -> int:
-        """GEMM calls of the LM head: `per_block` per vocabulary block of the rank's V/tp."""
-        blk = self.obj.vocab_block
-        return per_block * (math.ceil(self.m.vocab / self.tp / blk) if blk else 1)
-
-    def loss_forward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
-        """Vocabulary-parallel LM head and cross-entropy over the loss rows (`loss_rows`)."""
-        h, V = self.m.hidden, self.m.vocab
-        rows = self.loss_rows() if rows is None else rows
-        x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", rows), x)
-        x = self.add("lm-head", "forward", None, self.gemm(2 * rows * h * V / self.tp, self.head_calls(1)), x)
-        # vocabulary-parallel cross-entropy: each row's max logit, then its target logit and sum
-        # of exponentials, all-reduced over TP in fp32 (Megatron's algorithm)
-        for name, values in (("max", 1), ("sums", 2)):
-            x = self.add(f"cross-entropy.{name}.ar", "forward", None, self.comm(
-                "all-reduce", rows * values * LOSS_BYTES * 2 * self.ring_share(self.g_tp),
-                self.g_tp, "tp"), x)
-        return self.add("cross-entropy", "forward", None, self.memory_bound(rows * V / self.tp * 4 * 3), x)
-
-    def soft_embedding(self, x: Deps) -> Deps:
-        """Self-conditioning's soft embedding: the canvas's probabilities times the embedding
-        matrix, each TP rank over its V/tp rows, the partial sums reduce-scattered to the
-        sequence shards as the embedding's are (implementation.md section 4, DiffusionGemma (2))."""
-        h, V = self.m.hidden, self.m.vocab
-        x = self.add("soft-embed", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
-        return self.add("soft-embed.rs", "forward", None, self.tp_collective("reduce-scatter", self.noisy), x)
 
     def model_flops(self) -> float:
         """One context group's step math, counted once: 3x forward GEMMs, 3.5x attention.

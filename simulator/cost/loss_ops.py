@@ -1,0 +1,62 @@
+"""The loss of a step: the vocabulary-parallel LM head and cross-entropy over the loss rows,
+forward and backward, and self-conditioning's soft embedding. A mixin of the builder.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from csbp.simulator.cost.step_ops import LOSS_BYTES, Deps
+
+# Training does dgrad + wgrad: a linear layer's backward is twice its forward.
+GEMM_BACKWARD_FLOP_RATIO = 2.0
+
+
+class LossOps:
+    """LM head and cross-entropy (mixed into the builder)."""
+
+    def loss_rows(self) -> np.ndarray:
+        """Rows the LM head and loss run on: the noisy tokens, and every clean row too when the
+        objective adds an autoregressive loss on the clean stream (DiffusionGemma); a clean row
+        replicated on several ranks (pure BP, CSBP's replicas) runs it on each [U]."""
+        return self.tokens if self.obj.clean_loss else self.noisy
+
+    def head_calls(self, per_block: int) -> int:
+        """GEMM calls of the LM head: `per_block` per vocabulary block of the rank's V/tp."""
+        blk = self.obj.vocab_block
+        return per_block * (math.ceil(self.m.vocab / self.tp / blk) if blk else 1)
+
+    def loss_forward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
+        """Vocabulary-parallel LM head and cross-entropy over the loss rows (`loss_rows`)."""
+        h, V = self.m.hidden, self.m.vocab
+        rows = self.loss_rows() if rows is None else rows
+        x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", rows), x)
+        x = self.add("lm-head", "forward", None, self.gemm(2 * rows * h * V / self.tp, self.head_calls(1)), x)
+        # vocabulary-parallel cross-entropy: each row's max logit, then its target logit and sum
+        # of exponentials, all-reduced over TP in fp32 (Megatron's algorithm)
+        for name, values in (("max", 1), ("sums", 2)):
+            x = self.add(f"cross-entropy.{name}.ar", "forward", None, self.comm(
+                "all-reduce", rows * values * LOSS_BYTES * 2 * self.ring_share(self.g_tp),
+                self.g_tp, "tp"), x)
+        return self.add("cross-entropy", "forward", None, self.memory_bound(rows * V / self.tp * 4 * 3), x)
+
+    def soft_embedding(self, x: Deps) -> Deps:
+        """Self-conditioning's soft embedding: the canvas's probabilities times the embedding
+        matrix, each TP rank over its V/tp rows, the partial sums reduce-scattered to the
+        sequence shards as the embedding's are (implementation.md section 4, DiffusionGemma (2))."""
+        h, V = self.m.hidden, self.m.vocab
+        x = self.add("soft-embed", "forward", None, self.gemm(2 * self.noisy * h * V / self.tp), x)
+        return self.add("soft-embed.rs", "forward", None, self.tp_collective("reduce-scatter", self.noisy), x)
+
+    def loss_backward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
+        """The LM head's backward: input and weight gradients, or the input gradient of a frozen
+        head; plus the forward again where the logits are recomputed in backward."""
+        h, V, obj = self.m.hidden, self.m.vocab, self.obj
+        rows = self.loss_rows() if rows is None else rows
+        ratio = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO) + obj.head_recompute
+        calls = (1 if obj.frozen_embeddings else 2) + obj.head_recompute
+        x = self.add("lm-head-bwd", "backward", None, self.gemm(
+            ratio * 2 * rows * h * V / self.tp, self.head_calls(calls)), x)
+        return self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", rows), x)
