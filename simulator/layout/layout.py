@@ -337,6 +337,9 @@ def clear_caches() -> None:
     """Forget every cached layout and ownership (a benchmark measuring a cold search)."""
     _build.cache_clear()
     _OWNERSHIP.clear()
+    from csbp.simulator.layout import tiles  # its per-call caches (issue 25)
+
+    tiles.clear_caches()
 
 
 def kv_row_bytes(layer: AttentionSpec, dtype_bytes: int, tp: int = 1) -> int:

@@ -14,13 +14,34 @@ query tile sees are the runs from its first query's start to its last query's en
 tile is touched if the first set reaches it and full if the second covers it. Per query tile this
 is a handful of prefix-sum reads, never the n^2 mask.
 
+Closed form (issue 25): a tile's runs need only four of its queries, never the positions in
+between. Take the queries of one side (noisy [0, L) or clean [L, 2L)) in buffer order, which
+is increasing position order for every caller (spans sorted and disjoint; others take
+`_by_position`). All four ends of the two runs `mask.visible_intervals` gives are then
+non-decreasing in the position: own (max(s, i-W+1), min(s+b, i+W)) and prefix (L+max(0, i-W+1),
+L+max(s, i-W+1)), with s = i - i mod b and W = 2L+1 without a window, as min/max of
+non-decreasing functions are. Per tile, `every` = (max a, min z) over its queries = (a(last),
+z(first)); `some` = (min a, max z) over the queries whose run is not empty = (a(first non-empty),
+z(last non-empty)), or (0, 0) when none is. An own run is never empty (a query sees itself); a
+noisy query's prefix is non-empty iff s >= b and i - s <= W - 2; a clean query's prefix is
+always (0, 0). So per tile: its first and last query, and its first and last with a non-empty
+prefix, found by searchsorted over the side's span lengths and over the non-empty pieces
+([b, L) when W - 1 >= b, else [kb, kb + W - 1) per block k >= 1). Key tiles are counted by
+`_KeyTiles`' prefix sums, or by arithmetic when the keys are one span (`_OneSpan`). Cost per
+call O(query tiles + spans), against O(query positions) reading every query; the result is the
+same integers (tests/test_tiles.py holds it to the per-position code on random and real layouts).
+
 Approximations [U]: key tiles are laid on logical positions (0..2L in steps of the tile), as they
 are for a call over the whole sequence in logical order; a call over packed shards (received
 rows, owner-major clean K/V) has its tile edges elsewhere, which moves a few tiles per shard
-between full and partial. Query tiles run over the rank's packed query buffer (`_query_tiles`).
+between full and partial. Query tiles run over the rank's packed query buffer (`_query_tiles`);
+the keys some query of a tile sees are taken as one run from the first to the last seen, so a
+tile in a gap between two blocks' runs counts as touched (`_tile_runs`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -31,10 +52,136 @@ from csbp.simulator.layout.spans import Span, normalize
 def tile_counts(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int, block: int,
                 window: int | None, q_rows: int, k_tile: int) -> tuple[int, int]:
     """(full, partial) tiles of queries `queries` over the keys `keys` of one call, `q_rows`
-    query positions per tile (fewer than the tile's rows when GQA heads are packed into it)."""
+    query positions per tile (fewer than the tile's rows when GQA heads are packed into it).
+
+    Cached on the exact arguments: ranks of one ownership, and ownerships that share a rank's
+    spans, ask for the same call again (a search meets the same call hundreds of times)."""
+    return _tile_counts(tuple(queries), tuple(keys), seq_len, block, window, q_rows, k_tile)
+
+
+@functools.lru_cache(maxsize=8192)
+def _tile_counts(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int, block: int,
+                 window: int | None, q_rows: int, k_tile: int) -> tuple[int, int]:
     if not keys:
         return 0, 0
-    counter = _KeyTiles(normalize(keys), 2 * seq_len, k_tile)
+    keys = normalize(keys)
+    if not keys:
+        return 0, 0
+    counter = _OneSpan(keys[0], k_tile) if len(keys) == 1 else _key_tiles(keys, 2 * seq_len, k_tile)
+    q = np.array(queries, dtype=np.int64).reshape(-1, 2)
+    sides = []
+    for noisy, (lo, hi) in ((True, (0, seq_len)), (False, (seq_len, 2 * seq_len))):
+        starts, stops = np.maximum(q[:, 0], lo), np.minimum(q[:, 1], hi)
+        keep = stops > starts
+        starts, stops = starts[keep], stops[keep]
+        if starts.size and (starts[1:] < stops[:-1]).any():  # out of order or overlapping
+            return _by_position(queries, keys, seq_len, block, window, q_rows, k_tile)
+        if starts.size:
+            sides.append((starts, stops, noisy))
+    touched = full = 0
+    for starts, stops, noisy in sides:
+        t, f = _side(starts, stops, noisy, counter, seq_len, block, window, q_rows)
+        touched += t
+        full += f
+    return full, touched - full
+
+
+@functools.lru_cache(maxsize=256)
+def _key_tiles(keys: tuple[Span, ...], length: int, tile: int) -> "_KeyTiles":
+    """The key-tile prefix sums of one key set, shared by every call over the same keys."""
+    return _KeyTiles(keys, length, tile)
+
+
+def clear_caches() -> None:
+    _tile_counts.cache_clear()
+    _key_tiles.cache_clear()
+
+
+class _OneSpan:
+    """`_KeyTiles.touched` / `.full` for keys that are one span [k0, k1), by arithmetic: a tile
+    holds a key of [a, z) iff it meets [max(a, k0), min(z, k1)), and is full iff it lies inside
+    it (a partial last tile never does, as z <= 2L)."""
+
+    def __init__(self, span: Span, tile: int) -> None:
+        self.k0, self.k1, self.tile = span[0], span[1], tile
+
+    def touched(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
+        a, z, t = np.maximum(a, self.k0), np.minimum(z, self.k1), self.tile
+        return np.where(z > a, -(-z // t) - a // t, 0)
+
+    def full(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
+        a, z, t = np.maximum(a, self.k0), np.minimum(z, self.k1), self.tile
+        return np.maximum(z // t - -(-a // t), 0)
+
+
+def _side(starts: np.ndarray, stops: np.ndarray, noisy: bool, counter, seq_len: int,
+          block: int, window: int | None, q_rows: int) -> tuple[int, int]:
+    """(touched, full) key tiles summed over the query tiles of one side's sorted spans, from
+    four queries per tile (the module docstring): its first and last, and its first and last
+    whose clean prefix is not empty."""
+    cum = np.concatenate(([0], np.cumsum(stops - starts)))  # buffer index of each span's start
+    n = int(cum[-1])
+    first_i = np.arange(0, n, q_rows, dtype=np.int64)
+    last_i = np.minimum(first_i + q_rows, n) - 1
+    both = np.concatenate([first_i, last_i])
+    k = np.searchsorted(cum, both, side="right") - 1
+    both = starts[k] + (both - cum[k])  # buffer index -> query position
+    m = first_i.size
+    first, last = both[:m], both[m:]
+    ok = None
+    if noisy:
+        u, v = _nonempty_prefix(starts, stops, seq_len, block, window)
+        if u.size:
+            j = np.searchsorted(v, first, side="right")  # first piece ending after `first`
+            fne = np.maximum(u[np.minimum(j, u.size - 1)], first)
+            ok = (j < u.size) & (fne <= last)
+            k = np.searchsorted(u, last, side="right") - 1  # last piece starting at or before `last`
+            lne = np.minimum(v[np.maximum(k, 0)] - 1, last)
+            both = np.concatenate([both, np.where(ok, fne, first), np.where(ok, lne, last)])
+    (own_a, own_z), (pre_a, pre_z) = mask.visible_intervals(both, seq_len, block, window)
+    # an own run is never empty: some = (a(first), z(last)), every = (a(last), z(first))
+    some_a, some_z = own_a[:m], own_z[m:2 * m]
+    if ok is not None:
+        some_a = np.concatenate([some_a, np.where(ok, pre_a[2 * m:3 * m], 0)])
+        some_z = np.concatenate([some_z, np.where(ok, pre_z[3 * m:], 0)])
+    every_a = np.concatenate([own_a[m:2 * m], pre_a[m:2 * m]])
+    every_z = np.concatenate([own_z[:m], pre_z[:m]])
+    # a clean query's prefix run is (0, 0): never non-empty, and its `every` is empty too
+    return int(counter.touched(some_a, some_z).sum()), int(counter.full(every_a, every_z).sum())
+
+
+def _nonempty_prefix(starts: np.ndarray, stops: np.ndarray, seq_len: int, block: int,
+                     window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted disjoint pieces [u, v) of the noisy query positions whose clean prefix run is not
+    empty: block start s >= b and offset i - s <= W - 2 (W = 2L + 1 without a window)."""
+    w = window if window is not None else 2 * seq_len + 1
+    width = min(block, w - 1)  # non-empty offsets of a block: [0, width)
+    none = np.zeros(0, np.int64)
+    if width <= 0:
+        return none, none
+    if width >= block:  # every query of blocks >= 1: one piece [b, L)
+        u, v = np.maximum(starts, block), np.minimum(stops, seq_len)
+        keep = v > u
+        return u[keep], v[keep]
+    k0 = np.maximum(starts // block, 1)
+    k1 = (stops - 1) // block
+    count = np.maximum(k1 - k0 + 1, 0)
+    total = int(count.sum())
+    if not total:
+        return none, none
+    span = np.repeat(np.arange(starts.size), count)
+    k = k0[span] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+    u = np.maximum(starts[span], k * block)
+    v = np.minimum(np.minimum(stops[span], k * block + width), seq_len)
+    keep = v > u
+    return u[keep], v[keep]
+
+
+def _by_position(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int, block: int,
+                 window: int | None, q_rows: int, k_tile: int) -> tuple[int, int]:
+    """The same counts by reading every query position: for query spans out of order or
+    overlapping, where the ends are not monotone in buffer order (no caller passes them)."""
+    counter = _KeyTiles(keys, 2 * seq_len, k_tile)
     touched = full = 0
     for q, at in _query_tiles(queries, seq_len, q_rows):
         for (some_a, some_z), (every_a, every_z) in _tile_runs(q, at, seq_len, block, window):
