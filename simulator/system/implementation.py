@@ -13,6 +13,7 @@ A profile is a YAML file in `implementations/` (or anywhere, by path), every fac
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -89,6 +90,185 @@ class Family(BaseModel):
         return self.backward if phase == "backward" else self.forward
 
 
+ShardGroup = Literal["dp-ctx-ep", "dp-ctx", "dp-ctx-tp", "none"]
+Reduce = Literal["reduce-scatter", "all-reduce"]
+_Bytes = Annotated[int, Field(ge=0, le=8, strict=True), FIGURE]
+
+
+class OptimizerPath(BaseModel):
+    """How gradients reach the optimizer and what it keeps (one objective's, resolved).
+
+    Defaults are what the step graph priced before profiles said it (= csbp's runtime,
+    runtime/distributed/sharded_optimizer.py): state sharded over the ranks holding the same
+    shard (dense dp x ctx x ep, experts dp x ctx x tp), per-layer reduce-scatter buckets.
+    The workload's ZeRO stage still says what is sharded (1: state, 2: + gradients, 3: + params);
+    `shard_group: none` replicates everything whatever the stage.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_group: Annotated[ShardGroup, FIGURE] = "dp-ctx-ep"  # dense parameters
+    expert_shard_group: Annotated[ShardGroup, FIGURE] = "dp-ctx-tp"
+    reduce: Annotated[Reduce, FIGURE] = "reduce-scatter"  # the gradient collective (sharded state)
+    reduce_with_ep: Annotated[Reduce | None, FIGURE] = None  # when ep > 1; None: as `reduce`
+    # dense gradients summed over the EP group by one more all-reduce (a dense shard group
+    # without ep: the EP peers hold the same dense weights)
+    ep_dense_all_reduce: _Bool = False
+    # layer: one bucket per layer, reduced after its backward; largest-parameter: buckets the
+    # size of the largest trainable parameter (the embedding), reduced when one fills
+    buckets: Annotated[Literal["layer", "largest-parameter"], FIGURE] = "layer"
+    bucket_buffers: Annotated[int, Field(ge=1, strict=True), FIGURE] = 2
+    bucket_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None  # None: the step dtype
+    # an all-reduced bucket is first flattened into one more buffer (a fallback's copy)
+    flatten_all_reduce: _Bool = False
+    clip_temporary_bytes: _Bytes = 0  # per element of the gradient tensor the norm reads (0: none)
+    state_bytes: Annotated[int, Field(ge=1, le=8, strict=True), FIGURE] = 4  # each Adam moment
+    master: _Bool = True  # an fp32 master copy of weights trained in a lower precision
+
+    def dense_group(self, plan) -> int:
+        return _group_size(self.shard_group, plan)
+
+    def expert_group(self, plan) -> int:
+        return _group_size(self.expert_shard_group, plan)
+
+    def collective(self, plan) -> Reduce:
+        return self.reduce_with_ep or self.reduce if plan.ep > 1 else self.reduce
+
+
+def _group_size(group: ShardGroup, plan) -> int:
+    axes = {"dp-ctx-ep": (plan.dp, plan.ctx, plan.ep), "dp-ctx": (plan.dp, plan.ctx),
+            "dp-ctx-tp": (plan.dp, plan.ctx, plan.tp), "none": (1,)}[group]
+    return int(math.prod(axes))
+
+
+class OptimizerOverride(BaseModel):
+    """An objective's own optimizer path (e.g. a replicated drafter): the fields it changes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_group: Annotated[ShardGroup | None, FIGURE] = None
+    expert_shard_group: Annotated[ShardGroup | None, FIGURE] = None
+    reduce: Annotated[Reduce | None, FIGURE] = None
+    reduce_with_ep: Annotated[Reduce | None, FIGURE] = None
+    ep_dense_all_reduce: Annotated[bool | None, FIGURE] = None
+    buckets: Annotated[Literal["layer", "largest-parameter"] | None, FIGURE] = None
+    bucket_buffers: Annotated[int | None, Field(ge=1), FIGURE] = None
+    bucket_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None
+    flatten_all_reduce: Annotated[bool | None, FIGURE] = None
+    clip_temporary_bytes: Annotated[int | None, Field(ge=0, le=8), FIGURE] = None
+    state_bytes: Annotated[int | None, Field(ge=1, le=8), FIGURE] = None
+    master: Annotated[bool | None, FIGURE] = None
+
+
+class Optimizer(OptimizerPath):
+    """The optimizer path, and per objective (`ObjectiveShape.name`) what differs."""
+
+    objectives: dict[str, OptimizerOverride] = Field(default_factory=dict)
+
+    def path(self, objective: str) -> OptimizerPath:
+        """The resolved path of one objective (cached: the planner asks per candidate)."""
+        key = (id(self), objective)
+        hit = _PATHS.get(key)
+        if hit is None or hit[0] is not self:
+            base = self.model_dump(exclude={"objectives"})
+            over = self.objectives.get(objective)
+            if over is not None:
+                base |= over.model_dump(exclude_none=True)
+            hit = _PATHS[key] = (self, OptimizerPath(**base))
+        return hit[1]
+
+
+_PATHS: dict[tuple, tuple[Optimizer, OptimizerPath]] = {}
+
+
+class LossKernel(BaseModel):
+    """The LM head + cross-entropy kernel (defaults: Liger's chunked rule, logits in the step
+    dtype, the weight gradient computed with the chunk, nothing recomputed)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # chunked-ce: Liger-Kernel's chunks (memory.loss_chunk_tokens), gradients made in the
+    # forward; tiled-ce: fixed row tiles, logits recomputed in backward
+    kernel: Annotated[Literal["chunked-ce", "tiled-ce"], FIGURE] = "chunked-ce"
+    tile_rows: Annotated[int | None, Field(ge=1), FIGURE] = None  # tiled-ce: rows per tile
+    logits_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None  # None: the step dtype
+    # tiled-ce backward: bytes per element of each buffer it allocates (one entry per buffer)
+    backward_tile_bytes: Annotated[tuple[int, ...], FIGURE] = ()  # per tile [tile, V/tp]: logits, their gradients
+    grad_weight_bytes: Annotated[tuple[int, ...], FIGURE] = ()  # the whole [V/tp, hidden]
+    grad_hidden_bytes: Annotated[tuple[int, ...], FIGURE] = ()  # every loss row [rows, hidden]
+    recompute_logits: _Bool = False  # the backward runs the head's forward GEMM again
+    # the head's input gradient summed over TP: reduce-scatter (sequence parallel) or all-reduce
+    tp_grad_hidden: Annotated[Reduce, FIGURE] = "reduce-scatter"
+
+    @model_validator(mode="after")
+    def _tiles(self) -> "LossKernel":
+        if self.kernel == "tiled-ce" and self.tile_rows is None:
+            raise ValueError("a tiled-ce loss needs tile_rows")
+        return self
+
+
+class TensorParallelRun(BaseModel):
+    """How a layer's TP (sequence-parallel) collectives run (default: waited, replayed)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # waited: the next op waits for the collective; overlapped: GEMM/collective overlap
+    # (userbuffers-style), the layer's end waits for both
+    exchange: Annotated[Literal["waited", "overlapped"], FIGURE] = "waited"
+    replay_in_recompute: _Bool = True  # a recomputed layer runs its collectives again
+
+
+class MoE(BaseModel):
+    """How a MoE layer's experts and its expert-parallel exchange run (implementation.md 11).
+    Defaults: one GEMM per local expert on the dense curve, NCCL all-to-alls in the step dtype,
+    the dense branch beside the combine, no host syncs or copies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # per-expert: one GEMM call per local expert (dense curve); a GPU GEMM family (grouped-mm):
+    # one call over jagged groups at the family's curve; best: the faster of all
+    expert_gemm: Annotated[str, FIGURE] = "per-expert"
+    # nccl, a link's all-to-all family (deepep-normal), or best
+    a2a_kernel: Annotated[str, FIGURE] = "nccl"
+    dispatch_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None  # None: the step dtype
+    combine_weight_bytes: Annotated[int, Field(ge=0, le=8), FIGURE] = 0  # per routed row and top-k slot
+    # the a2a the dense branch runs beside: dispatch (experts wait for it, the combine is waited
+    # on after the experts) or combine (dense after the experts, beside the combine)
+    dense_overlaps: Annotated[Literal["combine", "dispatch"], FIGURE] = "combine"
+    host_syncs_per_layer: Annotated[int, Field(ge=0), FIGURE] = 0  # per layer and forward pass
+    # full read + write passes over the route-expanded rows (rows x top-k x hidden) per pass
+    route_copy_passes: _NonNegative = 0.0
+
+
+class LinearAttention(BaseModel):
+    """How linear-attention (Gated-DeltaNet) layers run (implementation.md 13). Defaults: one
+    delta-rule call outside CP/CSBP priced on the attention curves, its all-to-alls hidden."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # attention-curve: the attention curves at the chunk tile; a GPU linear family; best
+    kernel: Annotated[str, FIGURE] = "attention-curve"
+    # the clean stream once, then every noisy block from its clean-prefix state, on every plan
+    two_passes: _Bool = False
+    state_bytes: Annotated[int, Field(ge=1, le=4), FIGURE] = 4  # boundary state element
+    # waited: the sequence<->head all-to-alls block the compute stream (synchronous calls)
+    exchange: Annotated[Literal["overlapped", "waited"], FIGURE] = "overlapped"
+    # pure CP: the noisy rows go head-parallel too (their own all-to-alls), no state exchange
+    cp_moves_noisy: _Bool = False
+
+
+class HeadDimCopy(BaseModel):
+    """K/V repeated before attention at one head dim: a kernel that packs at most `max_group`
+    query heads per K/V head repeats each K/V head ceil(group / max_group) times."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    head_dim: Annotated[int, Field(gt=0)]
+    max_group: Annotated[int, Field(gt=0)]
+    # backward packs [noisy; clean] K/V repeated into a new buffer plus a gradient buffer as large
+    backward_grad_buffer: bool = True
+
+
 class Implementation(BaseModel):
     """Per plan family (dp, bp, cp, csbp and the ring transports) what runs; a family not
     listed runs as `ideal` does (best kernel, collectives hidden where the graph allows)."""
@@ -101,6 +281,12 @@ class Implementation(BaseModel):
     # beyond the strict shape rules (plan_rules.py): TP over a multiple of a layer's K/V heads,
     # each K/V head copied on tp / kv ranks; false (the default): TP must divide the K/V heads
     tp_replicates_kv_heads: _Bool = False
+    optimizer: Optimizer = Field(default_factory=Optimizer)  # the gradient path and the optimizer
+    loss: LossKernel = Field(default_factory=LossKernel)
+    tp: TensorParallelRun = Field(default_factory=TensorParallelRun)
+    moe: MoE = Field(default_factory=MoE)  # experts and the EP exchange
+    linear_attention: LinearAttention = Field(default_factory=LinearAttention)
+    head_dim_copies: Annotated[tuple[HeadDimCopy, ...], FIGURE] = ()  # K/V repeats per head dim
     sources: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -176,3 +362,10 @@ def check_kernels(impl: Implementation, gpu) -> None:
     if missing:
         raise InputError(f"implementation {impl.name!r} runs {', '.join(missing)}, which the GPU "
                          f"{gpu.name!r} does not list (it has {', '.join(gpu.attention_kernels)})")
+    for what, name, listed, own in (
+            ("GEMM", impl.moe.expert_gemm, gpu.gemm_kernels, ("per-expert", "best")),
+            ("linear-attention", impl.linear_attention.kernel, gpu.linear_attention_kernels,
+             ("attention-curve", "best"))):
+        if listed and name not in own and name not in listed:
+            raise InputError(f"implementation {impl.name!r} runs the {what} kernel {name!r}, which the "
+                             f"GPU {gpu.name!r} does not list (it has {', '.join(listed)})")
