@@ -44,6 +44,13 @@ def add_workload_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> N
     p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
     p.add_argument("--checkpointing", default="full", help="activation checkpointing: full | none")
     p.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3")
+    p.add_argument("--features", default="offline",
+                   help="dflash2 target features: offline (read from storage and copied to the GPU "
+                        "one batch ahead: a real training job, the default) | synthetic (resident on "
+                        "the GPU, no I/O: the published benchmark runs)")
+    p.add_argument("--max-anchors", type=int, default=2048, help="dflash2: draft blocks per example")
+    p.add_argument("--vocab-block", type=int, default=32768,
+                   help="dflash2: the loss's vocabulary block (the frozen head's)")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -117,7 +124,10 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         workload = Workload(
             seq_len=parse_tokens(args.seq_len), block_size=args.block_size,
             objective=args.objective or default_objective(model), micro_batch=args.micro_batch,
-            dtype=args.dtype, checkpointing=args.checkpointing, zero_stage=args.zero)
+            dtype=args.dtype, checkpointing=args.checkpointing, zero_stage=args.zero,
+            **{k: v for k, v in (("features", getattr(args, "features", None)),
+                                 ("max_anchors", getattr(args, "max_anchors", None)),
+                                 ("vocab_block", getattr(args, "vocab_block", None))) if v is not None})
     except (ValidationError, ValueError) as err:
         raise InputError(one_line(err)) from None
     check_size(workload)

@@ -277,7 +277,8 @@ def _gib(x: float | None) -> str:
 
 
 def _summary(r: Result) -> str:
-    return (f"{r.tokens_per_s:,.0f} tokens/s, step {fmt_time(r.step_time_s)}, peak memory "
+    own = f" ({r.objective_tokens_per_s:,.0f} {r.objective_label})" if r.objective_tokens_per_s else ""
+    return (f"{r.tokens_per_s:,.0f} tokens/s{own}, step {fmt_time(r.step_time_s)}, peak memory "
             f"{_gib(r.peak_memory_gib)}, attention traffic {r.attention_traffic_gib_per_gpu:.2f} GiB/GPU, "
             f"exposed communication {fmt_time(r.exposed_comm_s)}")
 

@@ -30,20 +30,32 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
     if work.kind == "storage-read":  # the node's storage, shared by its ranks reading at once
         rate = profile.node.storage_share_gbs(work.readers)  # None: the profile gives no figure
         return nbytes / (rate * GB) if rate else np.zeros(len(nbytes))
+    if work.kind == "h2d":  # pinned host memory to this GPU over its own PCIe link
+        rate = profile.node.h2d_gbs
+        return nbytes / (rate * GB) if rate else np.zeros(len(nbytes))
     if work.kind in ("elementwise", "optimizer"):
         own = gpu.optimizer_efficiency if work.kind == "optimizer" else None
         busy = nbytes / (gpu.hbm_gbs * GB * (own or gpu.hbm_efficiency))
+    elif work.kind == "host-sync":  # the stream idles, nothing is computed
+        return np.full(len(flops), (gpu.host_sync_us or 0.0) * US * work.kernels)
     elif work.kind == "gemm":
         eff = along(gpu.gemm_efficiency, flops / work.kernels / 1e9)
+        family = gpu.grouped_gemm_efficiency(work.kernel, work.shape_x) if work.shape_x else None
+        if family is not None:  # a GEMM family (grouped experts); `best`: or the dense curve
+            eff = np.maximum(eff, family) if work.kernel == "best" else np.full_like(eff, family)
         busy = flops / (gpu.peak_tflops * 1e12 * eff)
+    elif work.kind in ("linear-fwd", "linear-bwd") and \
+            (lin := gpu.linear_efficiency(work.kernel, work.kind == "linear-bwd")) is not None:
+        busy = flops / (gpu.peak_tflops * 1e12 * lin)
     else:
-        backward = work.kind == "attention-bwd"
+        backward = work.kind in ("attention-bwd", "linear-bwd")  # linear: on the attention curves
         dense = [profile.dense_attention_seconds(f, d, work.kernels, backward)
                  for f, d in zip(flops, work.dense_flops)] if gpu.dense_attention else []
         if gpu.dense_attention and work.dense_flops:  # explicit math scores the whole rectangle
             flops = np.asarray(work.dense_flops)
         curve = gpu.attention_backward_efficiency if backward else gpu.attention_forward_efficiency
-        kernel = gpu.kernel_factor(work.kernel, backward)
+        family = "best" if work.kind.startswith("linear") else work.kernel  # linear: as before families
+        kernel = gpu.kernel_factor(family, backward, work.head_dim)
         if work.full_tile_flops and not gpu.dense_attention:
             # block-sparse kernel: every tile it touches costs a whole tile, a partial one the
             # mask too (the masked-tile factor), at the family's speed over the call's tiles
@@ -58,9 +70,21 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
         if dense and all(s is not None for s in dense):  # measured per visible / masked score
             busy = np.array(dense)
     overhead = (gpu.op_overhead_us or 0.0) * US * work.kernels
-    # host overhead is CPU time too: ranks sharing cores slow it down like arithmetic
-    share = profile.node.core_share(profile.node.gpus_per_node)
-    return np.where((flops > 0) | (nbytes > 0), (busy + overhead) / share, 0.0)
+    node, ranks = profile.node, profile.node.gpus_per_node
+    if node.rank_speed is None:
+        # host overhead is CPU time too: ranks sharing cores slow it down like arithmetic
+        shared = (busy + overhead) / node.core_share(ranks)
+    else:  # measured per op class: each slows as much as its own measurement says
+        shared = (busy / node.rank_share(HOST_OP_CLASS.get(work.kind, "gemm"), ranks)
+                  + overhead / node.rank_share("host", ranks))
+    return np.where((flops > 0) | (nbytes > 0), shared, 0.0)
+
+
+# which measured sharing curve (`Node.rank_speed`) prices each kind of compute on a shared host:
+# arithmetic-bound, memory-bound, the runtime's attention, or host time (Python, dispatch)
+HOST_OP_CLASS = {"gemm": "gemm", "linear-fwd": "gemm", "linear-bwd": "gemm",
+                 "attention-fwd": "attention", "attention-bwd": "attention",
+                 "elementwise": "memory", "optimizer": "memory", "host-sync": "host"}
 
 
 def along(curve, x: np.ndarray, factor: float = 1.0) -> np.ndarray:
@@ -101,23 +125,26 @@ def ring_seconds(op: CollectiveOp, recv_bytes: float, group: Group, profile: Har
     return latency * US + recv_bytes / (bandwidth * GB)
 
 
-def alltoall_seconds(recv_bytes: float, group: Group, profile: HardwareProfile) -> float:
+def alltoall_seconds(recv_bytes: float, group: Group, profile: HardwareProfile, kernel: str = "nccl") -> float:
     """All-to-all: every peer's slice moves at once; NVLink for peers on the node, one NIC for the rest.
 
     All-to-all cannot aggregate NICs, so off-node slices move at single-NIC speed per GPU
-    (sjeaugey, nccl-tests #267; hardware.md 3.3). The slower level sets the time.
+    (sjeaugey, nccl-tests #267; hardware.md 3.3). The slower level sets the time. A kernel
+    family other than NCCL's (DeepEP) moves at its factor of NCCL's bandwidth on each link.
     """
     nvl = profile.links.nvlink
     n, k = group.size, group.per_node
     per_peer = recv_bytes / (n - 1)
     on_node = per_peer * (k - 1)
     off_node = per_peer * (n - k)
-    seconds = on_node / (nvl.bus_gbs("all_to_all") * GB * nvl.bandwidth_fraction(per_peer)) if on_node else 0.0
+    seconds = on_node / (nvl.bus_gbs("all_to_all") * nvl.alltoall_factor(kernel) * GB
+                         * nvl.bandwidth_fraction(per_peer)) if on_node else 0.0
     latency = nvl.call_latency_us
     if off_node:
         ib = profile.link("infiniband")
         latency = ib.call_latency_us
-        seconds = max(seconds, off_node / (ib.bus_gbs("all_to_all") * GB * ib.bandwidth_fraction(per_peer)))
+        seconds = max(seconds, off_node / (ib.bus_gbs("all_to_all") * ib.alltoall_factor(kernel) * GB
+                                           * ib.bandwidth_fraction(per_peer)))
     return (latency + profile.node.call_wakeup_us(n)) * US + seconds
 
 
@@ -141,12 +168,12 @@ def collective_seconds(work: Comm, recv_bytes: float, profile: HardwareProfile) 
     if not group.spans_nodes:
         op = "send_recv" if work.collective == "p2p" else work.collective.replace("-", "_")
         measured = profile.links.nvlink.measured_seconds(op, group.size, recv_bytes)
-        if measured is not None:
-            return measured
+        if measured is not None:  # measured with `group.size` ranks on the host
+            return measured + profile.node.crowd_wakeup_us(profile.node.gpus_per_node, group.size) * US
     if work.collective in ("all-gather", "reduce-scatter", "all-reduce"):  # all-reduce = RS + AG
         return ring_seconds(work.collective.replace("-", "_"), recv_bytes, group, profile)
     if work.collective == "all-to-all":
-        return alltoall_seconds(recv_bytes, group, profile)
+        return alltoall_seconds(recv_bytes, group, profile, work.kernel)
     return p2p_seconds(recv_bytes, profile.link("infiniband" if group.spans_nodes else "nvlink"))
 
 

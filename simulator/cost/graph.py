@@ -30,6 +30,7 @@ from csbp.simulator.layout.layout import clear_caches as clear_layout_caches
 from csbp.simulator.cost.linear_ops import (DELTA_RULE_CHUNK, LINEAR_STATE_BYTES,  # noqa: F401 (re-exported)
                                        LinearAttentionOps, delta_rule_flops_per_token)
 from csbp.simulator.cost.loss_ops import LossOps
+from csbp.simulator.cost.moe_ops import MoEOps
 from csbp.simulator.cost.objective_ops import ObjectiveOps, _canvas_pairs, _sequence_pairs
 from csbp.simulator.cost.optimizer_ops import ADAMW_BYTES_PER_PARAM, OptimizerOps  # noqa: F401 (re-exported)
 from csbp.simulator.workload.objectives import ObjectiveShape, batch_rows, objective_shape
@@ -118,7 +119,7 @@ class StepGraph:
 # ---- the builder --------------------------------------------------------------------------------
 
 
-class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, OptimizerOps):
+class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, OptimizerOps):
     """Appends the ops of one step in program order; each helper returns the ops that end it."""
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -218,6 +219,24 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
         moe = self.m.moe
         return None if moe and not moe.dense_ffn else self.tp_collective(collective)
 
+    def tp_step(self, name: str, phase: Phase, li: int, work: Comm | None, x: Deps) -> Deps:
+        """A layer's TP collective as the implementation runs it (`implementation.tp`): waited
+        on by the next op, or overlapped with the GEMMs (the layer's end waits for it, see
+        `tp_side`); a recompute replays it or not."""
+        tp = self.impl.tp
+        if phase == "recompute" and not tp.replay_in_recompute:
+            return x
+        out = self.add(name, phase, li, work, x)
+        if tp.exchange == "waited" or work is None:
+            return out
+        self._tp_side = getattr(self, "_tp_side", ()) + out
+        return x
+
+    def tp_side(self) -> Deps:
+        """The overlapped TP collectives of the layer just built (the layer ends after them)."""
+        side, self._tp_side = getattr(self, "_tp_side", ()), ()
+        return side
+
     # -- sizes of one layer kind ----------------------------------------------------------------
     def mixer_gemms(self, a: AttentionSpec) -> tuple[np.ndarray, np.ndarray]:
         """Forward FLOPs of the input projections and of the output projection, per rank."""
@@ -262,7 +281,7 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
         c = self.cached
         norm_work = c(("norm", a), lambda: self.memory_bound(self.norm_bytes(a)))
         f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
-        x = self.add("attn-in.ag", phase, li, self.tp_collective("all-gather"), x)
+        x = self.tp_step("attn-in.ag", phase, li, self.tp_collective("all-gather"), x)
         x = self.add("norm-rope", phase, li, norm_work, x)
         x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.gemm(f_in)), x)
         x = self.add("context-kv", phase, li, c(("ctx-kv", a), lambda: self.context_kv(a, 1.0)), x)
@@ -271,11 +290,11 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
         else:
             x = self.attention_forward(li, a, phase, x)
         x = self.add("out-proj", phase, li, c(("out", a), lambda: self.gemm(f_out)), x)
-        x = self.add("attn-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
-        x = self.add("mlp-in.ag", phase, li, self.mlp_collective("all-gather"), x)
+        x = self.tp_step("attn-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
+        x = self.tp_step("mlp-in.ag", phase, li, self.mlp_collective("all-gather"), x)
         x = self.add("norm-swiglu", phase, li, norm_work, x)
         x = self.ffn(li, phase, x, backward=False)
-        return self.add("mlp-out.rs", phase, li, self.mlp_collective("reduce-scatter"), x)
+        return self.tp_step("mlp-out.rs", phase, li, self.mlp_collective("reduce-scatter"), x) + self.tp_side()
 
 
     def ffn(self, li: int, phase: Phase, x: Deps, backward: bool) -> Deps:
@@ -286,36 +305,17 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
         if m.moe is None:
             return self.add("mlp", phase, li, self.cached(("mlp", backward), lambda: self.gemm(
                 ratio * 2 * self.tokens * 3 * h * m.ffn / self.tp, kernels)), x)
-        moe, ep = m.moe, self.p.ep
-        tokens = self.tokens / self.tp  # each sequence-parallel shard routes its own tokens
-        a2a = self.cached("ep-a2a", lambda: self.comm(
-            "all-to-all", tokens * h * moe.top_k * self.dt * (ep - 1) / ep, self.g_ep, "ep"))
-        router_ratio = 1.0 if backward and self.obj.frozen_router else ratio  # input gradient only
-        router = self.add("router", phase, li, self.cached(("router", backward), lambda: self.gemm(
-            router_ratio * 2 * tokens * h * moe.n_experts)), x)
-        if not backward:  # each expert's row count to its owner, so it knows what will arrive
-            router = self.add("ep.counts", phase, li, self.cached("ep-counts", lambda: self.comm(
-                "all-to-all", moe.n_experts * COUNT_BYTES * (ep - 1) / ep, self.g_ep, "ep")), router)
-        sent = self.add("ep.combine-grad" if backward else "ep.dispatch", phase, li, a2a, router)
-        experts = self.add("experts", phase, li, self.cached(("experts", backward), lambda: self.gemm(
-            ratio * 2 * tokens * moe.top_k * 3 * h * moe.expert_ffn,
-            kernels * 3 // 2 * (moe.n_experts // ep))), router, sent)
-        back = self.add("ep.dispatch-grad" if backward else "ep.combine", phase, li, a2a, experts)
-        if not moe.dense_ffn:
-            return back
-        dense = self.add("dense-mlp", phase, li, self.cached(("dense", backward), lambda: self.gemm(
-            ratio * 2 * self.tokens * 3 * h * moe.dense_ffn / self.tp, kernels)), experts)
-        return dense + back
+        return self.moe_ffn(li, phase, x, backward)  # moe_ops.py
 
     def layer_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
         c, g = self.cached, GEMM_BACKWARD_FLOP_RATIO
         norm_work = c(("normb", a), lambda: self.memory_bound(2 * self.norm_bytes(a)))
         f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
-        x = self.add("mlp-out.ag-bwd", "backward", li, self.mlp_collective("all-gather"), x)
+        x = self.tp_step("mlp-out.ag-bwd", "backward", li, self.mlp_collective("all-gather"), x)
         x = self.ffn(li, "backward", x, backward=True)
         x = self.add("norm-swiglu-bwd", "backward", li, norm_work, x)
-        x = self.add("mlp-in.rs-bwd", "backward", li, self.mlp_collective("reduce-scatter"), x)
-        x = self.add("attn-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
+        x = self.tp_step("mlp-in.rs-bwd", "backward", li, self.mlp_collective("reduce-scatter"), x)
+        x = self.tp_step("attn-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
         x = self.add("out-proj-bwd", "backward", li, c(("outb", a), lambda: self.gemm(g * f_out, 2)), x)
         if a.kind == "linear":
             x = self.linear_backward(li, a, x)
@@ -324,7 +324,7 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
         x = self.add("context-kv-bwd", "backward", li, c(("ctx-kvb", a), lambda: self.context_kv(a, g)), x)
         x = self.add("qkv-bwd", "backward", li, c(("qkvb", a), lambda: self.gemm(g * f_in, 2)), x)
         x = self.add("norm-rope-bwd", "backward", li, norm_work, x)
-        return self.add("attn-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x)
+        return self.tp_step("attn-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x) + self.tp_side()
 
     # -- the step ------------------------------------------------------------------------------
     def build(self) -> StepGraph:
@@ -354,8 +354,8 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
         embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
         grads, x = (), ()
         bucketed = not self.one_bucket
-        # the step's stored inputs, read before anything can use them: exposed
-        x = self.add("data.storage-read", "data", None, self.storage_read(), x)
+        # a drafter's offline features: a background reader beside the step (objective_ops)
+        x = self.feature_io(x)
         if obj.canvas_passes:
             x = self.canvas_pass(self.canvas_sync(x))
         for v in range(obj.passes):
@@ -372,7 +372,7 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
             x = self.loss_forward(x)
             x = self.loss_backward(x)
             if last_view and bucketed and head_params and not m.tie_embeddings:
-                grads += self.grad_sync(None, head_params, 0.0, x)
+                grads += self.bucket_ready(None, head_params, 0.0, x)
             prefetch = ()
             for li in range(len(layers) - 1, -1, -1):
                 a = layers[li]
@@ -382,7 +382,7 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
                     x = self.layer(li, a, "recompute", x + prefetch)
                 x = self.layer(li, a, "backward", x + prefetch)
                 if last_view and bucketed:
-                    grads += self.grad_sync(li, *self.layer_params(a), x)
+                    grads += self.bucket_ready(li, *self.layer_params(a), x)
             x = self.add("fc-conditioning-bwd", "backward", None, self.conditioning(True), x)
             if not obj.frozen_embeddings:
                 x = self.add("embed.ag-bwd", "backward", None, self.tp_collective("all-gather"), x)
@@ -393,14 +393,14 @@ class _Builder(AttentionOps, LinearAttentionOps, ObjectiveOps, LossOps, Optimize
                     self.g_tp, "gradients"), x)
             if last_view and bucketed:
                 tied = head_params if m.tie_embeddings else 0.0
-                grads += self.grad_sync(None, edge_params + tied, 0.0, x)
+                grads += self.bucket_ready(None, edge_params + tied, 0.0, x, last=True)
             elif last_view:  # every gradient at once
                 grads += self.grad_sync(None, *self.trained_params(), x)
         # the step's loss summed over every rank (to check it and to log it): one fp32 scalar,
         # nothing on a GPU cluster, a whole call's wake-up on a CPU host
         loss = self.add("loss.all-reduce", "grad-sync", None, self.comm(
             "all-reduce", LOSS_BYTES * 2 * self.ring_share(self.g_dense), self.g_dense, "other"), x, grads)
-        step = self.add("adamw", "optimizer", None, self.optimizer(), x, grads, loss)
+        step = self.add("adamw", "optimizer", None, self.optimizer(), self.clip_norm(x + grads + loss))
         if w.zero_stage in (1, 2):
             self.param_gather("updated-params", "param-sync", None, *self.trained_params(), step)
         return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.passes * obj.rows_per_example,

@@ -18,10 +18,11 @@ from functools import cached_property
 import numpy as np
 
 from csbp.simulator.layout import kv_rows
-from csbp.simulator.cost import memory_timeline
+from csbp.simulator.cost import loss_ops, memory_timeline
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.system.implementation import load_implementation
-from csbp.simulator.layout.layout import Layout
+from csbp.simulator.layout.layout import Layout, kv_row_bytes
+from csbp.simulator.layout.objective_layout import untrimmed
 from csbp.simulator.workload.objectives import objective_shape
 from csbp.simulator.plan.plan import Plan
 from csbp.simulator.report.result import GIB
@@ -181,14 +182,23 @@ def _model_sizes(model: ModelSpec) -> dict:
     return hit[1]
 
 
+# GPU copies of a batch's target features (implementation.md section 14): synthetic features are
+# allocated once; the offline reader keeps one batch ahead on the GPU, so two copies are alive
+FEATURE_COPIES = {"synthetic": 1, "offline": 2}
+
+
 def context_bytes(model: ModelSpec, kinds: dict[AttentionSpec, int], tokens: float, dtype_bytes: int,
-                  tp: int, keep_kv: bool) -> float:
+                  tp: int, keep_kv: bool, feature_rows=None, feature_copies: int = 1) -> float:
     """A drafter's target-feature tokens on one rank: the captured features of every conditioning
-    layer, their fc projection, and the K/V each draft layer makes of them (all layers kept for
-    the backward without checkpointing, one layer at a time with it)."""
+    layer (`feature_copies` buffers of the rank's whole shard, `feature_rows`: a windowed drafter
+    trims after the copy, section 14), their fc projection and the K/V each draft layer makes of
+    the rows it keeps (`tokens`; all layers kept for the backward without checkpointing, one
+    layer at a time with it)."""
     kv = {a: a.kv_width * a.kv_tensors / tp for a in kinds if a.kind != "linear"}
     per_layer = sum(n * kv[a] for a, n in kinds.items() if a in kv) if keep_kv else max(kv.values(), default=0)
-    return tokens * (model.conditioning_layers * model.hidden + model.hidden + per_layer) * dtype_bytes
+    shard = tokens if feature_rows is None else feature_rows
+    features = feature_copies * shard * model.conditioning_layers * model.hidden * dtype_bytes
+    return features + tokens * (model.hidden + per_layer) * dtype_bytes
 
 
 def loss_bytes(model: ModelSpec, loss_tokens: int, vocab_block: int | None, dtype_bytes: int, tp: int) -> float:
@@ -232,12 +242,15 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     batch = mb * rows
     tokens = kv_rows.held(layout, "positions") * batch
     noisy = kv_rows.held(layout, "noisy") * batch
-    family = load_implementation(profile.implementation).family(layout.kind, plan.transport)
+    impl = load_implementation(profile.implementation)
+    family = impl.family(layout.kind, plan.transport)
     sizes = memory_timeline.Sizes(tokens=tokens, noisy=noisy, hidden=tokens * model.hidden * dt / tp,
-                                  dt=dt, tp=tp, batch=batch, family=family)
+                                  dt=dt, tp=tp, batch=batch, family=family, impl=impl,
+                                  block=workload.block_size)
     eager = bool(profile.gpu.dense_attention)
     weights = memory_timeline.weight_state(model, workload.zero_stage, dt, plan,
-                                           obj.frozen_embeddings, obj.frozen_router)
+                                           obj.frozen_embeddings, obj.frozen_router,
+                                           impl.optimizer.path(obj.name))
     full_ckpt = workload.checkpointing == "full"
     kinds = _model_sizes(model)["kinds"]
     if eager:
@@ -245,9 +258,30 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     else:
         per = {n: loss_bytes(model, n, obj.vocab_block, dt, tp) for n in set(noisy.tolist())}
         loss = np.array([per[n] for n in noisy.tolist()], dtype=float)
+    loss_backward = None
+    if not eager and impl.loss.kernel == "tiled-ce" and not obj.frozen_embeddings:
+        # the reference's tiled kernel (implementation.md 9): one tile's fp32 logits in forward,
+        # its backward buffers with the whole weight and input gradients
+        rows = tokens if obj.clean_loss else noisy
+        loss, loss_backward = loss_ops.loss_buffers(model, impl.loss, rows.astype(float), dt, tp)
     context = 0.0
     if obj.context_as_kv:
         held = kv_rows.held(layout, "context") * batch
-        context = context_bytes(model, kinds, held, dt, tp, keep_kv=not full_ckpt)
+        shard = kv_rows.held(untrimmed(layout), "context") * batch
+        context = context_bytes(model, kinds, held, dt, tp, keep_kv=not full_ckpt,
+                                feature_rows=shard, feature_copies=FEATURE_COPIES.get(obj.features, 1))
+    retained = encoder_retained(model, layout, batch, dt, tp) if obj.retain_encoder_kv else None
     return memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
-                                workload.zero_stage)
+                                workload.zero_stage, retained, loss_backward=loss_backward)
+
+
+def encoder_retained(model: ModelSpec, layout: Layout, batch: int, dt: int,
+                     tp: int) -> memory_timeline.RetainedEncoder:
+    """What DiffusionGemma's encoder keeps for its decoder (implementation.md section 12), per
+    rank: each layer's K/V of the clean rows the rank owns (the whole clean stream under pure BP,
+    `WholeCleanLayout`) and one encoder checkpoint of its clean query rows. The decoder re-gathers
+    remote clean K/V inside its own layers [U]."""
+    owned = kv_rows.held(layout, "context").astype(float) * batch  # clean K/V rows it owns
+    clean = (kv_rows.held(layout, "positions") - kv_rows.held(layout, "noisy")).astype(float) * batch
+    kv = {a: owned * kv_row_bytes(a, dt, tp) for a in _model_sizes(model)["kinds"] if a.kind != "linear"}
+    return memory_timeline.RetainedEncoder(kv, clean * model.hidden * dt / tp)

@@ -37,6 +37,7 @@ import numpy as np
 
 from csbp.simulator.layout import kv_rows
 from csbp.simulator.layout.layout import Layout
+from csbp.simulator.system.implementation import OptimizerPath
 from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
 
 # Fraction of a block's noisy tokens that are masked (and enter the loss) in expectation: the
@@ -146,6 +147,10 @@ class Sizes:
     # what the framework runs for this plan family (implementation.py): its copies around the
     # K/V exchange are buffers too; None = the reference implementation's (implementation.md)
     family: object | None = None
+    # the whole implementation profile (its moe, linear_attention, head_dim_copies facts add
+    # buffers: `implementation_extras`); None = none of them
+    impl: object | None = None
+    block: int = 1  # diffusion block size (linear attention's boundary states)
 
 
 @dataclass
@@ -328,12 +333,60 @@ def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions,
     return LayerMemory(attn, mlp, forward, backward)
 
 
+def implementation_extras(model: ModelSpec, layout: Layout, a: AttentionSpec, s: Sizes,
+                          mem: LayerMemory) -> LayerMemory:
+    """Buffers the implementation's MoE, linear-attention and head-dim facts add to a layer
+    (implementation.md 11, 13), merged into the ops where they are alive:
+    - route-expanded copies of the routed rows (rows x top-k x hidden) at the MLP, forward and
+      backward, one at a time;
+    - two-pass linear attention: the fp32 state at every block boundary of the rank's rows,
+      kept from the clean pass through the layer's backward (saved with the attention);
+    - K/V repeated at a head dim whose kernel packs few query heads: the repeated K/V beside the
+      call in forward; in backward the repacked K/V and a gradient buffer as large."""
+    impl = s.impl
+    if impl is None:
+        return mem
+    unit = s.tokens * s.dt / s.tp
+    if model.moe is not None:
+        passes = impl.moe.route_copy_passes
+        if passes:
+            routed = model.moe.top_k * model.hidden * unit / s.dt * (impl.moe.dispatch_bytes or s.dt)
+            mem.forward = [(op, d, _merge(e, {"transient": routed}) if op == "mlp" else e) for op, d, e in mem.forward]
+            mem.backward = [(op, d, _merge(e, {"transient": routed}) if op == "mlp" else e) for op, d, e in mem.backward]
+    if a.kind == "linear" and impl.linear_attention.two_passes:
+        conv = max(a.conv_kernel - 1, 0) * (2 * a.n_kv_heads + a.n_heads) * a.head_dim * s.dt
+        state = (a.n_heads * a.head_dim ** 2 * impl.linear_attention.state_bytes + conv) / s.tp
+        states = s.tokens / max(s.block, 1) * state
+        mem.attn_saved = _merge(mem.attn_saved, {"saved": states})
+        mem.forward = [(op, _merge(d, {"saved": states}) if op == "mlp" else d,
+                        _merge(e, {"transient": states}) if op == "attn" else e) for op, d, e in mem.forward]
+    repeat = 1
+    for copy in getattr(impl, "head_dim_copies", ()):
+        if copy.head_dim == a.head_dim and a.kind != "linear":
+            fam = s.family
+            kernels = set(fam.forward.kernels.values()) | set(fam.backward.kernels.values()) if fam else set()
+            if not copy.kernels or kernels & set(copy.kernels):
+                repeat = math.ceil(max(1, a.n_heads // max(a.n_kv_heads, 1)) / copy.max_group)
+            break
+    if repeat > 1:
+        received = kv_rows.held_at_once(layout, a).astype(float)  # remote K/V rows per sequence
+        keys = s.tokens / s.batch + received
+        row = s.batch * a.kv_width * a.kv_tensors * s.dt / s.tp
+        kv = repeat * keys * row
+        grad = 2 if any(c.backward_grad_buffer for c in impl.head_dim_copies if c.head_dim == a.head_dim) else 1
+        attn_ops = ("attn", "attn.local")
+        mem.forward = [(op, d, _merge(e, {"kv": kv}) if op in attn_ops else e) for op, d, e in mem.forward]
+        mem.backward = [(op, d, _merge(e, {"dkv": grad * kv}) if op in attn_ops else e) for op, d, e in mem.backward]
+    return mem
+
+
 # ---- weights, gradients, optimizer state ----------------------------------------------------
 
 # AdamW's two moments in fp32, and the fp32 master copy of weights trained in bf16/fp16
 # (mixed precision); fp32 training (the CPU runtime) updates the weights themselves.
 ADAM_BYTES_PER_PARAM = 8
 MASTER_BYTES_PER_PARAM = 4
+_DEFAULT_PATH = OptimizerPath()  # the default optimizer path (= the two figures above)
 
 
 @dataclass(frozen=True)
@@ -351,33 +404,37 @@ class WeightState:
     largest_tensor: float  # the largest parameter tensor (an optimizer temporary's size)
     trainable: float  # this rank's trainable parameters (elements) the optimizer updates
     replicas: int  # ranks summing the same gradients (1: no gradient sync)
+    clip: float = 0.0  # gradient clipping's temporaries at the optimizer (implementation.md 8)
 
 
 _WEIGHTS: dict[tuple, tuple[ModelSpec, WeightState]] = {}
 
 
 def weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
-                 frozen_router: bool = False) -> WeightState:
+                 frozen_router: bool = False, opt=None) -> WeightState:
     """Parameters, master copy, gradients and AdamW state per rank, sharded by ZeRO stage:
     stage 1 shards optimizer state and master, 2 also gradients, 3 also parameters (gathered a
-    layer at a time, the next one prefetched). Kept per model and degrees (a search asks the
-    same few many times)."""
+    layer at a time, the next one prefetched). `opt`: the implementation's optimizer path
+    (`implementation.OptimizerPath`: shard groups, buckets, state and master bytes, clipping);
+    None = its defaults. Kept per model and degrees (a search asks the same few many times)."""
     key = (id(model), zero, dt, plan.dp, plan.ctx, plan.tp, plan.ep, frozen_embeddings,
-           frozen_router)
+           frozen_router, opt)
     hit = _WEIGHTS.get(key)
     if hit is None or hit[0] is not model:
         if len(_WEIGHTS) > 4096:
             _WEIGHTS.clear()
         hit = _WEIGHTS[key] = (model, _weight_state(model, zero, dt, plan, frozen_embeddings,
-                                                    frozen_router))
+                                                    frozen_router, opt or _DEFAULT_PATH))
     return hit[1]
 
 
 def _weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
-                  frozen_router: bool) -> WeightState:
+                  frozen_router: bool, opt) -> WeightState:
     h = model.hidden
-    n_dense = plan.dp * plan.ctx * plan.ep  # ranks holding the same dense shard
-    n_expert = plan.dp * plan.ctx * plan.tp
+    if opt.shard_group == "none" and opt.expert_shard_group == "none":
+        zero = 0  # replicated: every rank holds and updates all of it (a drafter, section 14)
+    n_dense = opt.dense_group(plan)  # ranks sharing one dense shard (dp x ctx x ep by default)
+    n_expert = opt.expert_group(plan)
     embed = model.embedding_params() / plan.tp
     frozen = embed if frozen_embeddings else 0.0
     expert_layer = model.expert_params_per_layer() / plan.ep
@@ -392,7 +449,7 @@ def _weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings:
     largest_layer = max(layer.values()) if layer else 0.0
     params = ((dense + expert) if zero < 3 else sharded + 2 * largest_layer) * dt + frozen * dt
     owned = trainable_full if zero < 1 else sharded
-    master = owned * MASTER_BYTES_PER_PARAM if dt < 4 else 0.0
+    master = owned * MASTER_BYTES_PER_PARAM if dt < 4 and opt.master else 0.0
     tied = model.tie_embeddings
     head = 0.0 if frozen_embeddings else (model.vocab * h / plan.tp + h)
     emb = 0.0 if (frozen_embeddings or tied) else model.vocab * h / plan.tp
@@ -400,12 +457,24 @@ def _weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings:
     widths = [model.vocab, model.ffn, *(a.n_heads * a.head_dim for a in layer)]
     if model.moe:
         widths.append(model.moe.expert_ffn)
+    # gradient buckets alive through the backward (ZeRO-2): two of the largest layer, or the
+    # profile's IPG buffers of the largest trainable parameter (implementation.md 8), plus the
+    # flattened copy an all-reduce fallback makes of one
+    if opt.buckets == "largest-parameter":
+        trained = [model.ffn, *(a.n_heads * a.head_dim for a in layer)]
+        largest = max(trained + ([] if frozen_embeddings else [model.vocab])) * h / plan.tp
+        flat = opt.flatten_all_reduce and opt.collective(plan) == "all-reduce"
+        bucket = (opt.bucket_buffers + flat) * largest * (opt.bucket_bytes or dt)
+    else:
+        bucket = 2 * largest_layer * dt
+    # clipping: each gradient slice copied at clip_temporary_bytes for its norm, one at a time
+    clip = opt.clip_temporary_bytes * min(max(widths) * h / plan.tp, owned)
     return WeightState(
-        params=params, master=master, optimizer=owned * ADAM_BYTES_PER_PARAM,
+        params=params, master=master, optimizer=owned * 2 * opt.state_bytes,
         layer_grads={a: v * g for a, v in layer.items()}, head_grads=head * g, embed_grads=emb * g,
-        grads=trainable_full * g, bucket=2 * largest_layer * dt if zero >= 2 else 0.0,
+        grads=trainable_full * g, bucket=bucket if zero >= 2 else 0.0,
         largest_tensor=max(widths) * h / plan.tp * 4, trainable=owned,
-        replicas=plan.dp * plan.ctx * plan.ep)
+        replicas=plan.dp * plan.ctx * plan.ep, clip=clip)
 
 
 # ---- the walk -------------------------------------------------------------------------------
@@ -446,14 +515,49 @@ def _layer_structure(model: ModelSpec) -> _Structure:
     return hit[1]
 
 
+@dataclass(frozen=True)
+class RetainedEncoder:
+    """DiffusionGemma's two trained streams (implementation.md section 12): the causal clean
+    encoder runs every layer first, then the decoder over the noisy canvas. Every layer's encoder
+    K/V stay alive until the decoder's backward (inputs of the decoder's checkpoints), their
+    gradients accumulate over the whole decoder backward, and the encoder's own checkpoints wait
+    for the encoder's backward, which comes last.
+
+    The walk keeps one pass over the rank's rows for the layers' own buffers (their transients
+    are those of the two streams' rows at once, an upper bound [U]); this adds what the two
+    streams keep beyond it, per rank."""
+
+    kv: dict[AttentionSpec, np.ndarray]  # one layer's encoder K (and V) of the clean rows it owns
+    clean_hidden: np.ndarray  # one encoder checkpoint: the clean rows' hidden state
+
+    def total(self, shape: "_Structure") -> np.ndarray | float:
+        return _sum({a: shape.count[a] * v for a, v in self.kv.items()})
+
+    def grads_after(self, shape: "_Structure", i: int) -> np.ndarray | float:
+        """dK/dV of the encoder K/V of the layers after i (the decoder's backward done there)."""
+        n = shape.n
+        return _sum({a: int(shape.before_count[a][n] - shape.before_count[a][i + 1]) * v
+                     for a, v in self.kv.items()})
+
+    def decoder_backward(self, shape: "_Structure", i: int, stored: str) -> dict:
+        """At the decoder's backward of layer i: every layer's encoder K/V, the gradients of
+        those after i, and the encoder checkpoints of the layers from i + 1 on (the walk's
+        checkpoints of the layers below i hold both streams' rows)."""
+        return {"kv": self.total(shape), "dkv": self.grads_after(shape, i),
+                stored: (shape.n - i - 1) * self.clean_hidden}
+
+
 def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, eager: bool,
          checkpointing: bool, loss: np.ndarray | float, context: np.ndarray | float = 0.0,
-         zero: int = 0) -> Timeline:
-    """The step in program order (module docstring); returns every moment with its bytes."""
+         zero: int = 0, retained: RetainedEncoder | None = None,
+         loss_backward: np.ndarray | float | None = None) -> Timeline:
+    """The step in program order (module docstring); returns every moment with its bytes.
+    `retained`: DiffusionGemma's encoder K/V and checkpoints held for the decoder (section 12)."""
     tl = Timeline(len(sizes.tokens))
     shape = _layer_structure(model)
     layers, n = model.layers, shape.n
-    kinds = {a: layer_memory(model, layout, a, sizes, eager) for a in shape.kinds}
+    kinds = {a: implementation_extras(model, layout, a, sizes, layer_memory(model, layout, a, sizes, eager))
+             for a in shape.kinds}
     hid = sizes.hidden
     fixed = {"params": weights.params, "master": weights.master, "optimizer": weights.optimizer,
              "context": context}
@@ -498,8 +602,13 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
             tl.at(Moment("forward", op, i), fixed, below, own_input, rename(during, "transient"),
                   extra)
     # loss: every layer's stored part, the final hidden state and norm, the loss buffers
+    kept = {"kv": retained.total(shape)} if retained is not None else {}
     tl.at(Moment("loss", "cross-entropy"), fixed, stored_before(n),
-          {stored_name: hid, "transient": 2 * hid, "loss": loss})
+          {stored_name: hid, "transient": 2 * hid, "loss": loss}, kept)
+    if loss_backward is not None:  # a loss kernel whose backward allocates (implementation.md 9)
+        tl.at(Moment("loss", "head-bwd"), fixed, stored_before(n), kept,
+              {stored_name: hid, "transient": 2 * hid, "loss": loss_backward,
+               "grads": weights.head_grads + (weights.bucket if zero >= 2 else 0.0)})
     # backward, last layer first; each kind at its last layer (most stored below) and its first
     # (most gradients above)
     visits = sorted({(last[a], a) for a in kinds} | {(first[a], a) for a in kinds},
@@ -515,10 +624,24 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
         grads = grads_after(i) + (weights.bucket if zero >= 2 else 0.0)
         below = stored_before(i)
         here = {stored_name: hid, "grads": grads, "transient": hid}
+        kept = retained.decoder_backward(shape, i, stored_name) if retained is not None else {}
         for op, during, extra in recomputed.get(a, ()):
-            tl.at(Moment("recompute", op, i), fixed, below, here, during, extra)
+            tl.at(Moment("recompute", op, i), fixed, below, here, during, extra, kept)
         for op, layer, extra in backwards[a]:
-            tl.at(Moment("backward", op, i), fixed, below, here, layer, extra)
+            tl.at(Moment("backward", op, i), fixed, below, here, layer, extra, kept)
+    if retained is not None:
+        # the encoder's backward starts at its last layer with every gradient of the decoder's
+        # backward, all encoder K/V and their gradients, and every encoder checkpoint: its peak
+        # (later layers free their K/V, gradients and checkpoints) [section 12]
+        i, a = n - 1, layers[n - 1]
+        grads = grads_total_layers + weights.head_grads + (weights.bucket if zero >= 2 else 0.0)
+        total = retained.total(shape)
+        here = {stored_name: n * retained.clean_hidden, "grads": grads, "kv": total, "dkv": total,
+                "transient": hid}
+        for op, during, extra in recomputed.get(a, ()):
+            tl.at(Moment("recompute", f"encoder.{op}", i), fixed, here, during, extra)
+        for op, layer, extra in backwards[a]:
+            tl.at(Moment("backward", f"encoder.{op}", i), fixed, here, layer, extra)
     all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
     if zero >= 2:
         all_grads = weights.grads
@@ -529,7 +652,7 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
     # AdamW: per tensor (CPU: foreach off) sqrt and division temporaries of the largest tensor;
     # foreach (CUDA) one fp32 temporary list of every updated parameter
     temp = 2 * weights.largest_tensor if eager else weights.trainable * 4
-    tl.at(Moment("optimizer", "adamw"), fixed, {"grads": all_grads, "transient": temp})
+    tl.at(Moment("optimizer", "adamw"), fixed, {"grads": all_grads, "transient": temp + weights.clip})
     return tl
 
 

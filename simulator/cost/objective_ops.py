@@ -9,7 +9,9 @@ import functools
 from dataclasses import replace
 
 from csbp.simulator.layout import mask
-from csbp.simulator.layout.objective_layout import anchor_blocks, canvas_view
+from csbp.simulator.layout import kv_rows
+from csbp.simulator.layout.objective_layout import (canvas_view, locality_anchor_blocks, untrimmed,
+                                                      window_union)
 from csbp.simulator.layout.pairs import QueryIntervals
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.cost.linear_ops import delta_rule_flops_per_token
@@ -27,9 +29,16 @@ def _canvas_pairs(seq_len: int, block: int, window: int | None) -> int:
 def _anchor_tokens(w: Workload) -> int:
     return min(w.max_anchors, w.n_blocks) * w.block_size
 
-def _anchor_pairs(w: Workload) -> int:
-    spans = tuple((k * w.block_size, (k + 1) * w.block_size) for k in anchor_blocks(w.n_blocks, w.max_anchors))
-    return mask.pairs(spans, w.seq_len, w.block_size)
+def _anchor_pairs(w: Workload, window: int | None = None) -> int:
+    blocks = locality_anchor_blocks(w.n_blocks, w.max_anchors)
+    spans = tuple((k * w.block_size, (k + 1) * w.block_size) for k in blocks)
+    return mask.pairs(spans, w.seq_len, w.block_size, window)
+
+def _context_rows(w: Workload) -> int:
+    """Context rows a drafter turns into K/V: all L, or a windowed drafter's trimmed union."""
+    trim = window_union(locality_anchor_blocks(w.n_blocks, w.max_anchors), w.seq_len, w.block_size,
+                        w.drafter_window)
+    return w.seq_len if trim is None else sum(b - a for a, b in trim)
 
 def _scaled(work: Work, p: float) -> Work:
     """The expected work of something that runs with probability p."""
@@ -61,20 +70,33 @@ class ObjectiveOps:
             return None
         return self.gemm(2 * self.context * self.m.conditioning_layers * self.m.hidden ** 2 / self.tp)
 
-    def storage_read(self) -> Compute | None:
-        """Stored inputs read inside the step (a drafter's offline target features): each rank
-        reads the features of the context tokens it holds, at its share of the node's storage
-        bandwidth, since every rank of a node reads at the step's start (implementation.md
-        section 5: the measured step includes loading its data and target features).
+    def feature_rows(self) -> np.ndarray:
+        """Drafter: context rows of the rank's feature shard before a windowed drafter's trim
+        (the trim runs on the GPU after the copy, implementation.md section 14)."""
+        lay = untrimmed(self.lay)
+        if lay is self.lay:
+            return self.context
+        return kv_rows.held(lay, "context").astype(float) * self.w.micro_batch
 
-        Which tokens a rank reads is an assumption [U]: the ones it turns into K/V (a loader that
-        reads the whole example on every context rank reads cp x more); TP peers read the same.
-        """
+    def feature_io(self, x: Deps) -> Deps:
+        """Drafter, offline features (implementation.md section 14): the rank's shard read from
+        storage (memory-mapped, at its share of the node's storage bandwidth) and copied from
+        pinned host memory to the GPU by a background reader one batch ahead: both on the io
+        stream, which nothing waits for, so the steady-state step is the longer of the step and
+        the reader [inference]. A CP rank reads only its token ranges; TP peers read the same
+        [U]. Synthetic features (the published benchmark runs) are already on the GPU: no op."""
         per_token = self.obj.stored_bytes_per_token(self.m)
-        if not per_token or not self.context.any():
-            return None
-        return Compute("storage-read", self.per_rank(0), self.per_rank(self.context * per_token),
-                       readers=min(self.gpn, self.p.world))
+        if self.obj.features != "offline" or not per_token:
+            return x
+        nbytes = self.feature_rows() * per_token
+        if not nbytes.any():
+            return x
+        self.add("data.storage-read", "data", None, Compute(
+            "storage-read", self.per_rank(0), self.per_rank(nbytes), readers=min(self.gpn, self.p.world)))
+        # the copy of batch n+1 runs while the reader fills batch n+2: pipelined, so neither
+        # waits for the other in steady state [inference]
+        self.add("data.h2d", "data", None, Compute("h2d", self.per_rank(0), self.per_rank(nbytes)))
+        return x
 
     def canvas_sync(self, x: Deps) -> Deps:
         """Whether the self-conditioning pass runs is one MAX all-reduce of a flag over its sync
@@ -117,9 +139,10 @@ class ObjectiveOps:
         m, obj = self.m, self.obj
         draft = _anchor_tokens(self.w) if obj.context_as_kv else None
         if draft is not None:  # drafter: draft tokens through the layers, context as K/V only
-            L, T = self.w.seq_len, draft
+            L, T = _context_rows(self.w), draft  # the context as the drafter keeps it (trimmed)
             ctx = sum(3 * 2 * L * m.hidden * a.kv_width * a.kv_tensors for a in m.layers if a.kind != "linear")
-            pairs = dict.fromkeys(m.attention_kinds(), _anchor_pairs(self.w))
+            pairs = {a: _anchor_pairs(self.w, a.window if a.kind == "sliding" else None)
+                     for a in m.attention_kinds()}
             total = self._layers_flops(T, pairs, 3.0) + ctx
             total += 2 * 2 * L * m.conditioning_layers * m.hidden ** 2  # fc: forward + weight gradient
             total += 2 * 2 * T * m.hidden * m.vocab  # frozen head: forward + input gradient
@@ -130,8 +153,15 @@ class ObjectiveOps:
         main = self._layers_flops(2 * L, pairs, 3.0) + 3 * head * (2 if obj.clean_loss else 1)
         canvas = {a: _canvas_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
         selfcond = self._layers_flops(L, canvas, 1.0) + head * (2 if obj.soft_embedding else 1)
-        # micro_batch counts the batch's rows (`batch_rows`): an objective's rows are all useful
-        return (obj.passes * main + obj.canvas_passes * selfcond) * self.w.micro_batch
+        useful = obj.passes * main + obj.canvas_passes * selfcond
+        rows = obj.rows_per_example
+        if obj.clean_stream_counted_once and rows > 1:
+            # Fast-dLLM v2 (implementation.md 13): every row runs the clean stream; the useful
+            # work is one row's 2L and the other rows' noisy halves (their own views)
+            noisy = self._layers_flops(L, canvas, 3.0) + 3 * head
+            useful = (obj.passes * (main + (rows - 1) * noisy) + obj.canvas_passes * selfcond) / rows
+        # micro_batch counts the batch's rows (`batch_rows`)
+        return useful * self.w.micro_batch
 
     def _layers_flops(self, tokens: float, pairs: dict[AttentionSpec, float], gemm_x: float) -> float:
         """Every layer's GEMMs on `tokens` (x gemm_x) and attention on its pairs (x gemm_x + 0.5

@@ -17,7 +17,12 @@ import numpy as np
 LOSS_BYTES = 4  # the step's loss, fp32
 COUNT_BYTES = 8  # a row count of the EP dispatch, int64
 
-ComputeKind = Literal["gemm", "attention-fwd", "attention-bwd", "elementwise", "optimizer", "storage-read"]
+ComputeKind = Literal["gemm", "attention-fwd", "attention-bwd", "elementwise", "optimizer", "storage-read",
+                      "linear-fwd", "linear-bwd", "host-sync", "h2d"]
+# work on the host/storage path (a drafter's offline features, implementation.md 14): a background
+# reader thread (storage -> pinned host) and a side CUDA stream (host -> GPU), each its own stream
+# (`Op.stream`), pipelined one batch ahead and never waited on by compute or transfers
+IO_STREAMS = {"storage-read": "io", "h2d": "h2d"}
 
 Collective = Literal["all-gather", "reduce-scatter", "all-reduce", "all-to-all", "p2p"]
 
@@ -74,6 +79,8 @@ class Compute:
     full_tile_flops: PerRank = ()  # attention: FLOPs of the kernel tiles every pair of which is visible
     partial_tile_flops: PerRank = ()  # ... and of the tiles the mask cuts (each costs the mask too)
     readers: int = 1  # storage-read: ranks of one node reading at once (they share its storage)
+    shape_x: float = 0.0  # gemm of a kernel family (`kernel`): the x its curve is read at (expert width)
+    head_dim: int = 0  # attention: the head dim (kernel families' head-dim factors); 0: the curves'
 
 @dataclass(frozen=True)
 class Comm:
@@ -82,6 +89,7 @@ class Comm:
     group: Group
     category: Category
     peer: tuple[int, ...] = ()  # p2p: the rank each one receives from; both ends must be there
+    kernel: str = "nccl"  # all-to-all: the kernel family that moves it (a link's alltoall_kernels)
 
 Work = Union[Compute, Comm]
 
@@ -97,6 +105,8 @@ class Op(NamedTuple):
 
     @property
     def stream(self) -> str:
-        return "comm" if isinstance(self.work, Comm) else "compute"
+        if isinstance(self.work, Comm):
+            return "comm"
+        return IO_STREAMS.get(self.work.kind, "compute")
 
 Deps = tuple[int, ...]

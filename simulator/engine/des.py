@@ -80,6 +80,8 @@ def run_events(graph: StepGraph, d: np.ndarray, overlap: bool = True) -> Timelin
         if overlap:
             env.process(stream(r, [op.index for op in graph.ops if op.stream == "compute"]))
             env.process(stream(r, [op.index for op in graph.ops if op.stream == "comm"]))
+            for name in program.IO_STREAMS:
+                env.process(stream(r, [op.index for op in graph.ops if op.stream == name]))
         else:
             env.process(stream(r, [op.index for op in graph.ops]))
     env.run()

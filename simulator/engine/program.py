@@ -70,6 +70,8 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     start: list = [None] * len(graph.ops)
     finish: list = [None] * len(graph.ops)
     compute_free = comm_free = comm_until = zero
+    io = io_ops(graph)  # op -> its io stream; each stream's ops run one after another
+    io_free = dict.fromkeys(io.values(), zero)
     per_work = program(graph)
     if stretch is not None and (not overlap or not (stretch > 1).any()):
         stretch = None
@@ -87,6 +89,10 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
                 ready = maximum(ready, finish[j])
         else:
             ready = zero
+        if overlap and i in io:  # the host/storage path: its own stream, waited on by nobody (`Op.stream`)
+            start[i] = maximum(io_free[io[i]], ready)
+            finish[i] = io_free[io[i]] = start[i] + took
+            continue
         if comm:
             if not overlap:
                 begin = maximum(compute_free, ready)
@@ -129,6 +135,17 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     return np.array(start).reshape(shape), np.array(finish).reshape(shape)
 
 
+IO_STREAMS = ("io", "h2d")
+
+
+def io_ops(graph: StepGraph) -> dict[int, str]:
+    """Ops on the host/storage streams (a drafter's offline feature reader) and their stream,
+    found once per graph."""
+    if "io" not in graph._arrays:
+        graph._arrays["io"] = {op.index: op.stream for op in graph.ops if op.stream in IO_STREAMS}
+    return graph._arrays["io"]
+
+
 def _stretched(begin: np.ndarray, took: np.ndarray, until: np.ndarray, factor: float) -> np.ndarray:
     """End of a compute op of `took` seconds from `begin` whose part before `until` runs
     `factor` times slower (a transfer beside it), the rest at full speed."""
@@ -158,6 +175,8 @@ def chained_ops(graph: StepGraph, transfers: bool) -> dict[int, np.ndarray]:
             if comm:
                 if follows and transfers and sync is None and peer is None:
                     run.append(op.index)
+                continue
+            if op.stream in IO_STREAMS:
                 continue
             if not follows:
                 _close(run, runs, graph)

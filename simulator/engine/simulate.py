@@ -16,6 +16,7 @@ from csbp.simulator.errors import InputError
 from csbp.simulator.cost.graph import ALSO_CLEARED, StepGraph
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.layout import kv_rows
+from csbp.simulator.workload.objectives import as_executed, counted_tokens_per_example
 from csbp.simulator.layout.layout import Layout, kv_row_bytes
 from csbp.simulator.cost.memory import estimate_memory
 from csbp.simulator.plan.plan import Plan
@@ -65,7 +66,7 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         raise InputError(f"nodes must be >= 1, got {nodes}")
     gpus = nodes * profile.node.gpus_per_node
     plan.check_against(model, workload, world=gpus, implementation=profile.implementation)
-    layout = Layout.build(workload, plan)
+    layout = Layout.build(as_executed(workload, model), plan)  # a windowed drafter trims its context
     graph = _step_graph(model, workload, plan, layout, profile.node.gpus_per_node, not overlap,
                         profile.implementation)
     memory = estimate_memory(model, workload, plan, layout, profile)
@@ -87,6 +88,8 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     executed = graph.flops()
     useful = graph.model_flops * plan.sequences
     peak = profile.gpu.peak_tflops * 1e12
+    counted = counted_tokens_per_example(workload)  # the objective's own count (section 15)
+    examples_per_s = workload.micro_batch * plan.sequences / step if memory.feasible and step > 0 else None
     return Result(
         feasible=memory.feasible,
         reason=memory.reason,
@@ -101,6 +104,8 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         step_time_s=step,
         tokens_per_s=workload.seq_len * workload.micro_batch * plan.sequences / step
         if memory.feasible and step > 0 else None,
+        objective_tokens_name=counted[0] if counted else None,
+        objective_tokens_per_s=counted[1] * examples_per_s if counted and examples_per_s else None,
         peak_memory_gib=memory.peak_gib,
         memory_gib=memory.rank(memory.peak_rank),
         memory_per_rank_gib=memory.totals_gib,

@@ -314,7 +314,11 @@ def _build(workload: Workload, plan: Plan) -> Layout:
         from csbp.simulator.layout.objective_layout import AnchorLayout
 
         return AnchorLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing,
-                            anchors=workload.max_anchors)
+                            anchors=workload.max_anchors, window=workload.drafter_window)
+    if workload.objective == "diffusiongemma" and plan.kind == "bp":  # implementation.md 12
+        from csbp.simulator.layout.objective_layout import WholeCleanLayout
+
+        return WholeCleanLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing)
     return Layout(workload.seq_len, workload.block_size, plan, workload.checkpointing)
 
 

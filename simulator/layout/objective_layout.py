@@ -14,13 +14,32 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from csbp.simulator.layout.layout import Layout, RankShare, assign_blocks, zigzag
-from csbp.simulator.layout.spans import intersect, normalize
+from csbp.simulator.layout.spans import intersect, normalize, subtract
 
 
 def anchor_blocks(n_blocks: int, anchors: int) -> tuple[int, ...]:
     """Blocks where `anchors` uniformly sampled anchors sit on average: evenly spaced, distinct."""
     a = min(anchors, n_blocks)
     return tuple((2 * j + 1) * n_blocks // (2 * a) for j in range(a))
+
+
+def locality_anchor_blocks(n_blocks: int, anchors: int) -> tuple[int, ...]:
+    """Anchors sampled with "locality" (implementation.md section 14, `_sample_locality_anchors`):
+    adjacent anchors one block apart, i.e. one contiguous run of blocks; placed at the centre of
+    the context, where a uniformly drawn run sits on average [U: run position]."""
+    a = min(anchors, n_blocks)
+    start = (n_blocks - a) // 2
+    return tuple(range(start, start + a))
+
+
+def window_union(blocks, seq_len: int, block: int, window: int | None) -> tuple:
+    """Clean rows (2L coordinates) the draft blocks at `blocks` read through a window: the union
+    of their windows, the context a windowed drafter trims to (implementation.md section 14,
+    `compact_dflash_target_context`); None: no window, nothing trimmed."""
+    if window is None:
+        return None
+    L = seq_len
+    return normalize((L + max(0, k * block - window + 1), L + k * block) for k in blocks if k)
 
 
 @dataclass(frozen=True)
@@ -34,29 +53,61 @@ class AnchorLayout(Layout):
     """
 
     anchors: int = 2048
+    # every draft layer's attention window (None: not all windowed): the context each rank keeps
+    # is trimmed to the union of its anchors' windows (section 14), flat in the context length
+    window: int | None = None
 
     def _build_shares(self) -> tuple[RankShare, ...]:
-        L, b, p = self.seq_len, self.block, self.plan
-        blocks = anchor_blocks(L // b, self.anchors)
+        L, b, p, W = self.seq_len, self.block, self.plan, self.window
+        blocks = locality_anchor_blocks(L // b, self.anchors)
+        every = window_union(blocks, L, b, W)
 
         def drafts(ks) -> tuple:
             return normalize(self._block_span(k) for k in ks)
 
+        def trimmed(context, ks=None) -> tuple:
+            if W is None:
+                return context
+            return intersect(context, every if ks is None else window_union(ks, L, b, W))
+
         if p.kind in ("single", "dp"):
-            return (RankShare(0, drafts(blocks), ((L, 2 * L),), blocks, 0),)
+            return (RankShare(0, drafts(blocks), trimmed(((L, 2 * L),)), blocks, 0),)
         if p.kind == "cp":
-            return tuple(RankShare(r, drafts(blocks), zigzag(L, p.cp, r, offset=L), blocks, 0)
+            return tuple(RankShare(r, drafts(blocks), trimmed(zigzag(L, p.cp, r, offset=L)), blocks, 0)
                          for r in range(p.cp))
         shares = []
         for r, idx in enumerate(assign_blocks(len(blocks), p.bp, p.schedule)):
             mine = tuple(blocks[i] for i in idx)
             if p.kind == "bp":
                 context = ((L, L + max(mine) * b),) if mine and max(mine) else ()
-                shares.append(RankShare(r, drafts(mine), context, mine, 0))
-            else:
-                shares.append(RankShare(r, drafts(mine), zigzag(L, p.cp, r % p.cp, offset=L),
+                shares.append(RankShare(r, drafts(mine), trimmed(context, mine), mine, 0))
+            else:  # CSBP: each cp sub-group trims its zigzag shard to its anchors' windows [U]
+                group = tuple(blocks[i] for q, ix in enumerate(assign_blocks(len(blocks), p.bp, p.schedule))
+                              if q // p.cp == r // p.cp for i in ix)
+                shares.append(RankShare(r, drafts(mine), trimmed(zigzag(L, p.cp, r % p.cp, offset=L), group),
                                         mine, r // p.cp))
         return tuple(shares)
+
+
+def untrimmed(layout: Layout) -> Layout:
+    """The layout before a windowed drafter's trim: each rank's feature shard as it is read and
+    copied to the GPU (the trim happens after the copy, implementation.md section 14)."""
+    return replace(layout, window=None) if getattr(layout, "window", None) else layout
+
+
+@dataclass(frozen=True)
+class WholeCleanLayout(Layout):
+    """DiffusionGemma under pure BP (`kv_backend: replicated`): every rank runs the whole clean
+    stream (implementation.md section 12, `clean_positions = arange(seq_len)`) beside its own
+    noisy blocks, so clean compute and clean K/V are not divided by BP."""
+
+    def _build_shares(self) -> tuple[RankShare, ...]:
+        shares = super()._build_shares()
+        if self.plan.kind != "bp":
+            return shares
+        clean = ((self.seq_len, 2 * self.seq_len),)
+        return tuple(replace(s, positions=normalize(subtract(s.positions, clean) + clean), owned_kv=clean)
+                     for s in shares)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,9 @@ def violation(model: ModelSpec, workload: Workload, plan: "Plan",
             return f"tp={tp} does not divide {what} ({width})"
     from csbp.simulator.layout.layout import Layout  # layout imports plan, which imports this module
 
-    layout = Layout.build(workload, plan)
+    from csbp.simulator.workload.objectives import as_executed
+
+    layout = Layout.build(as_executed(workload, model), plan)
     L = layout.seq_len
     for share in layout.shares:
         noisy = size(intersect(share.positions, ((0, L),)))

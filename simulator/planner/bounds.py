@@ -46,6 +46,7 @@ import numpy as np
 from csbp.simulator.engine import durations
 from csbp.simulator.cost.graph import Comm, StepGraph
 from csbp.simulator.system.hardware import HardwareProfile
+from csbp.simulator.workload.objectives import as_executed
 from csbp.simulator.layout.layout import Layout
 from csbp.simulator.plan.plan import Plan
 from csbp.simulator.workload.spec import ModelSpec
@@ -89,7 +90,7 @@ def busy_per_rank(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
     """
     workload = workload.model_copy(update={"checkpointing": "full"})
     reduced, counts = one_layer_per_kind(model)
-    graph = StepGraph.build(reduced, workload, plan, Layout.build(workload, plan),
+    graph = StepGraph.build(reduced, workload, plan, Layout.build(as_executed(workload, model), plan),
                             profile.node.gpus_per_node,
                             keys_at_home=keys_at_home and keys_at_home_is_cheapest(profile),
                             implementation=profile.implementation)
@@ -112,6 +113,8 @@ def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str
 
     segment, finish, clock, computes = None, {}, np.zeros(n), False
     for op, took in zip(graph.ops, d):
+        if op.stream in ("io", "h2d"):  # a background reader beside the step: bounds nothing here
+            continue
         if (op.layer, op.phase) != segment:
             if computes:
                 close(segment, clock)

@@ -28,8 +28,10 @@ from typing import get_args
 
 from csbp.simulator.plan import rules as plan_rules
 from csbp.simulator.planner.bounds import bound_key, keys_at_home_is_cheapest, lower_bounds
+from csbp.simulator.planner.floor import floor_bounds
 from csbp.simulator.errors import InputError
 from csbp.simulator.system.hardware import HardwareProfile
+from csbp.simulator.workload.objectives import as_executed
 from csbp.simulator.layout.layout import Layout
 from csbp.simulator.cost.memory import estimate_memory
 from csbp.simulator.plan.plan import AXES, Plan, Schedule, Transport, one_line
@@ -221,6 +223,8 @@ class Search:
     pruned: int = 0  # of those, dropped by their bound without a simulation
     screened: int = 0  # simulated with the closed form
     rescored: int = 0  # re-simulated with `engine`
+    # lower bounds computed by the pruned screen, by rung: compute floors, quick and tight graphs
+    bounds: dict[str, int] = field(default_factory=dict)
 
     @property
     def gpus(self) -> int:
@@ -281,7 +285,7 @@ def memory_misfit(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -
     Memory needs only the layout, not the step's timeline, so it costs milliseconds where a
     simulation costs far more; at long context most of the space does not fit, so it goes first.
     """
-    layout = Layout.build(cand.workload, cand.plan)
+    layout = Layout.build(as_executed(cand.workload, model), cand.plan)
     return estimate_memory(model, cand.workload, cand.plan, layout, profile).reason
 
 
@@ -342,6 +346,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
 
 def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, space: Space,
             engine: str, des_top: int, keep: int | None, pool: Workers) -> Search:
+    counts = {"floor": 0, "quick": 0, "tight": 0}
     fitting = []
     for cand in space.candidates:
         reason = memory_misfit(model, cand, profile)
@@ -362,7 +367,7 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         scored = len(fitting)
     else:
         screened, scored = screen_pruned(model, fitting, profile, engine, keep, des_top,
-                                         lambda cands: evaluate(cands, "closed-form"), pool)
+                                         lambda cands: evaluate(cands, "closed-form"), pool, counts)
     evaluations = scored
     ranked = [r for _, r in screened]
     picks: list[int] = []
@@ -389,12 +394,13 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
                          f"{gpus} GPUs ({len(space.candidates)} candidates): {summary}")
     return Search(model, workload, profile, nodes, ranked, infeasible, len(space.candidates), evaluations,
                   0.0, engine, feasible=len(fitting),
-                  pruned=len(fitting) - scored, screened=scored, rescored=len(picks))
+                  pruned=len(fitting) - scored, screened=scored, rescored=len(picks),
+                  bounds=counts if keep is not None else {})
 
 
 def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareProfile, engine: str,
-                  keep: int, des_top: int, evaluate,
-                  pool: Workers) -> tuple[list[tuple[Candidate, Result]], int]:
+                  keep: int, des_top: int, evaluate, pool: Workers,
+                  counts: dict[str, int] | None = None) -> tuple[list[tuple[Candidate, Result]], int]:
     """(screened candidates with their closed-form results, best first; how many were simulated).
 
     What the reported ranking reads from the screen: the event engine's picks (the best
@@ -404,24 +410,44 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     tokens/s cap (tokens per step over a lower bound on its step time, so at least its real
     tokens/s) reaches what the last of them in one of its groups has so far (as a screened
     candidate can only push that last one out, an unscreened one below it can never enter).
-    Candidates are taken best cap first: one that still matters gets the tighter bound (its own
-    K/V calls and transfers) where its simulation is dear, and if it still matters, a simulation; the screen
-    ends when no candidate left matters, the rest are pruned. Ties in rank_key keep the
-    enumeration order, as the exhaustive sort does.
+    Candidates are taken best cap first, each climbing a ladder of bounds while it still
+    matters: its compute floor (`floor.py`, no graph: every candidate starts there), the quick
+    bound (one graph per bound key, keys at home), the tighter one (its own K/V calls and
+    transfers) where its simulation is dear, then a simulation; the screen ends when no
+    candidate left matters, the rest are pruned. A cap only ever tightens and never falls below
+    the candidate's tokens/s, so the ladder reports what the exhaustive screen does. Ties in
+    rank_key keep the enumeration order, as the exhaustive sort does. `counts`: the bounds
+    computed per rung, added to.
     """
     # the quick bound is already the plan's own graph where no K/V moves (or where the profile
     # does not let keys stay home); and the tighter one pays only where a simulation is dear:
     # a ring (ops per step and layer) or a context group wider than a node (longer rows)
     home, node = keys_at_home_is_cheapest(profile), profile.node.gpus_per_node
-    cap = []
+    counts = {} if counts is None else counts
     tight = [not home or c.plan.cp == 1 or (c.plan.transport != "ring" and c.plan.ctx <= node)
              for c in fitting]
     tokens = [c.workload.seq_len * c.workload.micro_batch * c.plan.sequences for c in fitting]
-    keys = [bound_key(c.plan, c.workload, profile, keys_at_home=True) for c in fitting]
-    unique = sorted(set(keys), key=lambda k: (k[0].cp, k[0].bp, k[0].schedule, repr(k)))  # by ownership
+    # rung 0: every candidate's compute floor (it depends on neither transport nor checkpointing)
+    floors: dict[tuple, dict[str, float] | None] = {}
+    cap, quick = [], []  # quick[i]: the candidate's quick bound is in its cap
+    for cand, n in zip(fitting, tokens):
+        key = (cand.plan.model_copy(update={"transport": "collective"}),
+               cand.workload.model_copy(update={"checkpointing": "full"}))
+        if key not in floors:
+            floors[key] = floor_bounds(model, key[1], key[0], profile,
+                                       Layout.build(as_executed(key[1], model), key[0]))
+            counts["floor"] = counts.get("floor", 0) + 1
+        floor = floors[key]
+        cap.append(_cap(n, floor[cand.workload.checkpointing]) if floor else math.inf)
+        quick.append(floor is None)
+    # no floor (attention priced as dense math): the quick bound at once, over the workers
+    keys = {i: bound_key(fitting[i].plan, fitting[i].workload, profile, keys_at_home=True)
+            for i in range(len(fitting)) if quick[i]}
+    unique = sorted(set(keys.values()), key=lambda k: (k[0].cp, k[0].bp, k[0].schedule, repr(k)))  # by ownership
     bounds = dict(zip(unique, pool.chunks(partial(_lower_bounds, model, profile), unique)))
-    for key, cand, n in zip(keys, fitting, tokens):
-        cap.append(_cap(n, bounds[key][cand.workload.checkpointing]))
+    counts["quick"] = counts.get("quick", 0) + len(unique)
+    for i, key in keys.items():
+        cap[i] = _cap(tokens[i], bounds[key][fitting[i].workload.checkpointing])
     # candidates in the same groups share their thresholds: one heap of caps per set of groups
     heaps: dict[tuple[str, ...], list[tuple[float, int]]] = {}
     for i, cand in enumerate(fitting):
@@ -448,11 +474,17 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         if i is None:
             return [(c, r) for _, c, r in scored], len(done)
         cand = fitting[i]
-        if not tight[i]:
-            tight[i] = True
-            key = bound_key(cand.plan, cand.workload, profile, keys_at_home=False)
+        if not quick[i] or not tight[i]:  # the next rung up: the quick bound, then the tight one
+            at_home = not quick[i]
+            if at_home:
+                quick[i] = True
+            else:
+                tight[i] = True
+            key = bound_key(cand.plan, cand.workload, profile, keys_at_home=at_home)
             if key not in bounds:
                 bounds[key] = _lower_bounds(model, profile, key)
+                rung = "quick" if at_home else "tight"
+                counts[rung] = counts.get(rung, 0) + 1
             cap[i] = min(cap[i], _cap(tokens[i], bounds[key][cand.workload.checkpointing]))
             heapq.heappush(heaps[_groups(cand.plan)], (-cap[i], i))
             continue

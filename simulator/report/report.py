@@ -48,7 +48,11 @@ def result_table(result: Result, title: str | None = None) -> Table:
     if not result.feasible:
         table.add_row("feasible", f"[red]no[/red] — {result.reason}")
     table.add_row("step time", fmt_time(result.step_time_s))
-    table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}" if result.tokens_per_s else "-")
+    table.add_row("tokens/s (context)" if result.objective_label else "tokens/s",
+                  f"{result.tokens_per_s:,.0f}" if result.tokens_per_s else "-")
+    if result.objective_label:  # what the objective's users count (implementation.md 15)
+        table.add_row(result.objective_label,
+                      f"{result.objective_tokens_per_s:,.0f}" if result.objective_tokens_per_s else "-")
     table.add_row("peak memory / GPU", f"{result.peak_memory_gib:.1f} GiB" if result.peak_memory_gib else "-")
     if result.memory_per_rank_gib:
         table.add_row("memory per rank", " ".join(f"{m:.1f}" for m in result.memory_per_rank_gib) + " GiB")

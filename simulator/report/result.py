@@ -39,6 +39,11 @@ class Result:
     engine: str  # "des" | "closed-form"
     step_time_s: float | None = None
     tokens_per_s: float | None = None  # context tokens L x sequences per step / step time
+    # the objective's own count where it differs from context tokens (implementation.md 15):
+    # "supervised" (DFlash2: anchors x (block - 1) per example) or "valid" (Fast-dLLM v2: L - 1);
+    # to_json() also emits it as `<name>_tokens_per_s`. tokens_per_s stays the ranking figure.
+    objective_tokens_name: str | None = None
+    objective_tokens_per_s: float | None = None
     peak_memory_gib: float | None = None  # max over ranks
     memory_gib: dict[str, float] = field(default_factory=dict)  # breakdown on the peak rank
     memory_per_rank_gib: list[float] = field(default_factory=list)  # context-group ranks
@@ -61,12 +66,21 @@ class Result:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("trace")
+        if self.objective_tokens_name:
+            out[f"{self.objective_tokens_name}_tokens_per_s"] = self.objective_tokens_per_s
         return out
+
+    @property
+    def objective_label(self) -> str | None:
+        """'supervised tokens/s' etc., for tables; None where tokens/s is the objective's own."""
+        return f"{self.objective_tokens_name} tokens/s" if self.objective_tokens_name else None
 
     def __str__(self) -> str:
         """One line for a notebook's print(); `to_json()` has everything."""
         head = f"{self.plan.get('label', '?')} ({self.plan.get('kind', '?')}) on {self.gpus} GPUs"
         if not self.feasible:
             return f"{head}: infeasible: {self.reason}"
-        return (f"{head}: {self.tokens_per_s:,.0f} tokens/s, step {self.step_time_s:.3g} s, "
+        own = (f" ({self.objective_tokens_per_s:,.0f} {self.objective_label})"
+               if self.objective_tokens_per_s else "")
+        return (f"{head}: {self.tokens_per_s:,.0f} tokens/s{own}, step {self.step_time_s:.3g} s, "
                 f"peak {self.peak_memory_gib:.1f} GiB ({self.engine})")

@@ -87,6 +87,32 @@ class KernelFamily(BaseModel):
 
     forward_factor: Positive  # x the FA3-class forward efficiency
     backward_factor: Positive
+    # per head dim other than the curves' 128: (forward, backward) x the factors above; a head
+    # dim not listed runs at 1 (implementation.md 17: FA3 at 256 forward ~0.98 of 128)
+    head_dim_factors: Annotated[dict[int, tuple[float, float]], FIGURE] = Field(default_factory=dict)
+
+    def factor(self, backward: bool, head_dim: int = 0) -> float:
+        hd = self.head_dim_factors.get(head_dim)
+        return (self.backward_factor if backward else self.forward_factor) * (hd[backward] if hd else 1.0)
+
+
+class GemmFamily(BaseModel):
+    """A GEMM kernel family beside the dense `gemm_efficiency` curve: grouped GEMM over jagged
+    expert groups (`F.grouped_mm`), read at the expert width (implementation.md 11, 17)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    efficiency: Curve  # [expert intermediate width, fraction of peak_tflops]
+
+
+class LinearFamily(BaseModel):
+    """A linear-attention kernel family (the chunked delta rule): fraction of peak on the FLOPs
+    of `linear_ops.delta_rule_flops_per_token` (implementation.md 13, 17)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    forward_efficiency: Fraction
+    backward_efficiency: Fraction
 
 
 class GPU(BaseModel):
@@ -111,6 +137,13 @@ class GPU(BaseModel):
     # attention kernel families by name (implementation profiles say which runs each call);
     # empty: every call runs at the curves above (CPU hosts: the runtime's own attention)
     attention_kernels: dict[str, KernelFamily] = Field(default_factory=dict)
+    # GEMM and linear-attention kernel families by name (implementation profiles' `moe` and
+    # `linear_attention` sections say which runs); empty: the dense curves price them
+    gemm_kernels: dict[str, GemmFamily] = Field(default_factory=dict)
+    linear_attention_kernels: dict[str, LinearFamily] = Field(default_factory=dict)
+    # the compute stream idle around one host synchronisation (`nonzero`, `.item()`): the
+    # queue drains, then the next kernels are launched again; None = not priced
+    host_sync_us: OptionalPositive = None
     # communication kernels beside compute (implementation.md section 7): the share of SMs an
     # NCCL kernel keeps, and HBM bytes it moves per byte on the link; None = no interference
     comm_sm_share: OptionalFraction = None
@@ -149,26 +182,62 @@ class GPU(BaseModel):
         """Memory left for weights, optimizer state and activations."""
         return self.memory_gib - self.reserved_gib
 
-    def kernel_factor(self, family: str, backward: bool) -> float:
-        """Speed of a kernel family relative to the curves; `best` is the fastest this GPU lists,
-        `a|b` the faster of a and b, and a GPU listing none (a CPU host) runs everything at its
-        curves."""
+    def kernel_factor(self, family: str, backward: bool, head_dim: int = 0) -> float:
+        """Speed of a kernel family relative to the curves (at `head_dim`, 0: the curves' own);
+        `best` is the fastest this GPU lists, `a|b` the faster of a and b, and a GPU listing none
+        (a CPU host) runs everything at its curves."""
         if not self.attention_kernels:
             return 1.0
         if "|" in family:  # any of these (a lower bound's call stands for calls of each)
-            return max(self.kernel_factor(f, backward) for f in family.split("|"))
+            return max(self.kernel_factor(f, backward, head_dim) for f in family.split("|"))
         if family == "best":
-            return max(k.backward_factor if backward else k.forward_factor
-                       for k in self.attention_kernels.values())
+            return max(k.factor(backward, head_dim) for k in self.attention_kernels.values())
         k = self.attention_kernels.get(family)
         if k is None:
             raise InputError(f"the GPU {self.name!r} lists no attention kernel {family!r}: it has "
                              f"{', '.join(self.attention_kernels)}")
-        return k.backward_factor if backward else k.forward_factor
+        return k.factor(backward, head_dim)
+
+    def grouped_gemm_efficiency(self, family: str, width: float) -> float | None:
+        """Fraction of peak of a GEMM family at expert width `width`; `best`: the fastest listed;
+        None where the GPU lists none (the dense curve prices it)."""
+        if not self.gemm_kernels:
+            return None
+        if family == "best":
+            return max(interpolate(k.efficiency, width) for k in self.gemm_kernels.values())
+        k = self.gemm_kernels.get(family)
+        if k is None:
+            raise InputError(f"the GPU {self.name!r} lists no GEMM kernel {family!r}: it has "
+                             f"{', '.join(self.gemm_kernels)}")
+        return interpolate(k.efficiency, width)
+
+    def linear_efficiency(self, family: str, backward: bool) -> float | None:
+        """Fraction of peak of a linear-attention family; `best`: the fastest listed; None where
+        the GPU lists none (or `attention-curve`: the attention curves price it)."""
+        if not self.linear_attention_kernels or family == "attention-curve":
+            return None
+        pick = (lambda k: k.backward_efficiency if backward else k.forward_efficiency)
+        if family == "best":
+            return max(pick(k) for k in self.linear_attention_kernels.values())
+        k = self.linear_attention_kernels.get(family)
+        if k is None:
+            raise InputError(f"the GPU {self.name!r} lists no linear-attention kernel {family!r}: "
+                             f"it has {', '.join(self.linear_attention_kernels)}")
+        return pick(k)
 
 
 DENSE_CURVES = ("dense_visible_forward_efficiency", "dense_visible_backward_efficiency",
                 "dense_masked_forward_efficiency", "dense_masked_backward_efficiency")
+
+
+# CPU hosts: how fast each rank runs while R ranks are busy at once, per op class, as a fraction of
+# one rank alone: [[R, fraction], ...] with R strictly increasing (measured, never cores / R)
+HostOpClass = Literal["gemm", "memory", "attention", "host"]
+_Ranks = Annotated[int, Field(gt=0, strict=True)]
+_Speed = Annotated[float, Field(gt=0, strict=True)]
+RankCurve = Annotated[tuple[tuple[_Ranks, _Speed], ...], Field(min_length=1), AfterValidator(_increasing)]
+RankSpeed = Annotated[dict[HostOpClass, RankCurve] | None, FIGURE]
+RankWakeups = Annotated[dict[_Ranks, Annotated[float, Field(ge=0, strict=True)]] | None, FIGURE]
 
 
 MAX_GPUS_PER_NODE = 128  # an NVL72 rack as one node fits; the planner enumerates GPU counts
@@ -192,6 +261,17 @@ class Node(BaseModel):
     # data is read inside it (a drafter's offline target features, implementation.md section 5)
     # waits for its share. None = not given: such reads are not priced.
     storage_gbs: OptionalPositive = None
+    # GB/s of one GPU's host-to-device copies from pinned host memory (its PCIe link); a drafter's
+    # offline features cross it (implementation.md section 14). None = not given: not priced.
+    h2d_gbs: OptionalPositive = None
+    # CPU hosts, measured (`csbp calibrate`): the speed each rank gets while R ranks are busy at
+    # once, per op class (gemm, memory, attention, host overhead), as a fraction of one rank
+    # alone; when given it replaces cores / R x sharing_efficiency for the classes it lists
+    rank_speed: RankSpeed = None
+    # CPU hosts, measured: microseconds a collective call of a group adds when R ranks share the
+    # host, by R (a call priced from a table measured with fewer ranks on the host adds the
+    # difference: woken ranks wait behind the others for a core)
+    rank_wakeup_us: RankWakeups = None
 
     def storage_share_gbs(self, readers: int) -> float | None:
         """GB/s one of `readers` ranks of this node reading at once gets (None: not given)."""
@@ -211,6 +291,28 @@ class Node(BaseModel):
             return 0.0
         return self.wakeup_latency_us
 
+    def rank_share(self, op_class: HostOpClass, ranks: int) -> float:
+        """Fraction of its alone speed a rank gets on ops of `op_class` while `ranks` ranks are
+        busy on this host: the measured curve where the profile has one for the class (read
+        linearly between measured rank counts; beyond the last, the summed speed stays at its
+        last measured value and is split among more ranks [U]), else `core_share`."""
+        curve = (self.rank_speed or {}).get(op_class)
+        if curve is None:
+            return self.core_share(ranks)
+        last_ranks, last_speed = curve[-1]
+        if ranks > last_ranks:
+            return last_speed * last_ranks / ranks
+        return interpolate(curve, ranks, log_x=False)
+
+    def crowd_wakeup_us(self, ranks: int, measured_with: int) -> float:
+        """Extra latency of one collective call when `ranks` ranks share the host and its price
+        was measured with `measured_with` ranks there (0 without the measured figures)."""
+        if not self.rank_wakeup_us:
+            return 0.0
+        table = sorted(self.rank_wakeup_us.items())
+        at = lambda r: interpolate(table, r, log_x=False)  # noqa: E731
+        return max(0.0, at(ranks) - at(measured_with))
+
 
 class Link(BaseModel):
     """One fabric as NCCL sees it from one GPU: asymptotic bandwidths plus alpha terms (GB/s, µs)."""
@@ -227,6 +329,16 @@ class Link(BaseModel):
     all_reduce_gbs: OptionalPositive = None  # bus bandwidth if it differs from collective_gbs
     reduce_scatter_gbs: OptionalPositive = None  # (gloo emulates it: see hardware_profiles/README)
     call_seconds: CallTables = None  # measured calls, used instead of alpha-beta where they exist
+    # all-to-all kernels beside NCCL's (DeepEP normal, implementation.md 11, 17), by name
+    alltoall_kernels: dict[str, "AllToAllFamily"] = Field(default_factory=dict)
+
+    def alltoall_factor(self, kernel: str) -> float:
+        """all-to-all bandwidth of a kernel family x NCCL's; `nccl` or a family not listed: 1;
+        `best`: the fastest of NCCL and every family listed."""
+        if kernel == "best":
+            return max([1.0, *(k.bandwidth_factor for k in self.alltoall_kernels.values())])
+        k = self.alltoall_kernels.get(kernel)
+        return k.bandwidth_factor if k is not None else 1.0
 
     def measured_seconds(self, op: CollectiveOp, group_size: int, received: float) -> float | None:
         """Seconds of one call from the measured table of this op and group size, or None.
@@ -252,6 +364,18 @@ class Link(BaseModel):
     def bandwidth_fraction(self, bytes_per_rank: float) -> float:
         """Fraction of the asymptotic bandwidth reached when each rank moves `bytes_per_rank`."""
         return interpolate(self.size_efficiency, bytes_per_rank)
+
+
+class AllToAllFamily(BaseModel):
+    """An all-to-all kernel family on one fabric: its bandwidth as a factor of NCCL's all-to-all
+    (`Link.alltoall_gbs`) on the same link."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bandwidth_factor: Positive
+
+
+Link.model_rebuild()
 
 
 class Links(BaseModel):

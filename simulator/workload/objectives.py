@@ -68,10 +68,55 @@ class ObjectiveShape:
     stored_features: int
     stored_feature_bytes: int
     notes: tuple[str, ...]
+    # trained streams in program order (implementation.md section 12: DiffusionGemma's causal clean
+    # encoder, then the decoder over the noisy canvas; "main": one pass over the 2L sequence)
+    streams: tuple[str, ...] = ("main",)
+    # every layer's encoder K/V stay alive until the decoder's backward (inputs of the decoder's
+    # checkpoints), their gradients accumulating over all layers first (section 12)
+    retain_encoder_kv: bool = False
+    # pure BP runs the whole clean stream on every BP rank (section 12: clean_positions =
+    # arange(seq_len)), not only the prefix its blocks read
+    bp_whole_clean: bool = False
+    # Fast-dLLM v2's clean stream runs in both rows (section 13): counted once as useful FLOPs
+    clean_stream_counted_once: bool = False
+    # what the objective's users count per example (section 15): context tokens L, valid tokens
+    # L - 1 (Fast-dLLM v2), or supervised draft tokens anchors x (block - 1) (DFlash2)
+    counted_tokens: str = "context"
+    # dflash2: features mode of the workload ("offline" | "synthetic"; section 14), else None
+    features: str | None = None
 
     def stored_bytes_per_token(self, model: ModelSpec) -> int:
         """Bytes of target features one context token reads from storage (0: none)."""
         return self.stored_features * model.hidden * self.stored_feature_bytes
+
+
+def counted_tokens_per_example(workload: Workload) -> tuple[str, float] | None:
+    """(name, tokens per example) as the objective's users count them (implementation.md section
+    15) where that differs from the L context tokens `tokens_per_s` counts; None for BD3-LM and
+    DiffusionGemma (L per example)."""
+    if workload.objective == "dflash2":
+        return "supervised", float(anchor_count(workload) * (workload.block_size - 1))
+    if workload.objective == "fast-dllm-v2":
+        return "valid", float(workload.seq_len - 1)
+    return None
+
+
+def anchor_count(workload: Workload) -> int:
+    """Draft blocks per example: max_anchors, at most one per block of the context."""
+    return min(workload.max_anchors, workload.n_blocks)
+
+
+def as_executed(workload: Workload, model: ModelSpec) -> Workload:
+    """The workload with what the model decides about its execution: a DFlash2 drafter whose
+    every layer is windowed trims its context to the anchors' windows (implementation.md section
+    14, `compact_dflash_target_context`), so its layout needs the window."""
+    if workload.objective != "dflash2" or not model.layers:
+        return workload
+    windows = {a.window if a.kind == "sliding" else None for a in model.layers}
+    window = windows.pop() if len(windows) == 1 else None
+    if window == workload.drafter_window:
+        return workload
+    return workload.model_copy(update={"drafter_window": window})
 
 
 _BASE = dict(passes=1, rows_per_example=1, canvas_passes=0.0, canvas_sync_axis=None,
@@ -92,18 +137,22 @@ def objective_shape(workload: Workload, model: ModelSpec, plan: Plan | None = No
     MAX-synchronised self-conditioning; without one, a single example)."""
     obj = workload.objective
     if obj == "fast-dllm-v2":
-        return ObjectiveShape(**{**_BASE, "name": obj, "rows_per_example": 2, "notes": (
+        return ObjectiveShape(**{**_BASE, "name": obj, "rows_per_example": 2,
+                                 "clean_stream_counted_once": True, "counted_tokens": "valid", "notes": (
             "fast-dllm-v2: the two complementary masked views are two rows of the batch, each a "
             "packed [noisy | clean] 2L sequence, in one forward/backward (implementation.md 4): "
             "every GEMM, attention call and K/V collective carries both rows, gradients reduced "
-            "once; throughput counts L context tokens per example",)})
+            "once; tokens_per_s counts L context tokens per example, valid_tokens_per_s the L - 1 "
+            "valid tokens the reference counts (implementation.md 15); the clean stream runs in "
+            "both rows (section 13) and counts once in the useful FLOPs (MFU)",)})
     if obj == "diffusiongemma":
         p = workload.self_conditioning
         ep = plan.ep if plan is not None else 1
         run = self_conditioning_probability(p, ep)
         return ObjectiveShape(**{**_BASE, "name": obj, "canvas_passes": run, "canvas_sync_axis": "ep",
                                  "soft_embedding": True, "clean_loss": True,
-                                 "frozen_router": model.is_moe, "notes": (
+                                 "frozen_router": model.is_moe, "streams": ("encoder", "decoder"),
+                                 "retain_encoder_kv": True, "bp_whole_clean": True, "notes": (
             "diffusiongemma: three role passes of one tied transformer (implementation.md 4): (1) "
             "causal clean encoder with gradients, (3) bidirectional decoder over the noisy canvas "
             f"(block = canvas = {workload.block_size}) reading the clean prefix: BD3-LM's 2L pairs, "
@@ -117,23 +166,48 @@ def objective_shape(workload: Workload, model: ModelSpec, plan: Plan | None = No
             "clean K/V fetched again), its LM head, softmax and soft embedding (probabilities x "
             "embedding, priced as one GEMM call; the vocabulary chunk size is not known [U]) "
             "before the main pass; its transient memory is not counted",
-            "frozen router: no router weight gradient; examples per step = DP x EP")})
+            "frozen router: no router weight gradient; examples per step = DP x EP",
+            "diffusiongemma memory (implementation.md 12): every layer's encoder K/V stay alive "
+            "until the decoder's backward and their gradients accumulate over all layers before "
+            "the encoder's backward; both streams' checkpoints are alive through the decoder's "
+            "backward; pure BP runs the whole clean stream on every rank (clean compute, K/V and "
+            "their gradients not divided by BP)")})
     if obj == "dflash2":
         blk = workload.vocab_block
         shape = ObjectiveShape(**{**_BASE, "name": obj, "frozen_embeddings": True, "context_as_kv": True,
                                   "vocab_block": blk, "head_recompute": True,
-                                  "stored_features": model.conditioning_layers})
+                                  "stored_features": model.conditioning_layers,
+                                  "counted_tokens": "supervised", "features": workload.features})
+        window = as_executed(workload, model).drafter_window
         per_token = shape.stored_bytes_per_token(model)
+        features = (
+            f"dflash2 features: synthetic (the published benchmark runs, implementation.md 14): "
+            f"{model.conditioning_layers} x {model.hidden} x {STORED_FEATURE_BYTES} B = "
+            f"{per_token / 1e3:.0f} KB per context token of the rank's shard resident on the GPU "
+            "once, no I/O in the step" if workload.features == "synthetic" else
+            f"dflash2 features: offline (the default for planning a real job; the published "
+            f"benchmark runs use --features synthetic): {model.conditioning_layers} x "
+            f"{model.hidden} x {STORED_FEATURE_BYTES} B = {per_token / 1e3:.0f} KB per context "
+            "token (bf16 assumed [U]) of the rank's shard read from storage (the node's bandwidth "
+            "shared by its GPUs) and copied host-to-device by a background reader one batch ahead "
+            "(implementation.md 14): on their own stream beside the step, never waited on unless "
+            "slower than it [inference]; two GPU copies of the shard (this batch's and the next)")
+        trim = (f"every layer windowed ({window}): the context is trimmed on the GPU to the union "
+                "of the anchors' windows (implementation.md 14): fc, context K/V and their "
+                "exchange run on those rows only, whatever the context length; the features "
+                "buffer holds the untrimmed shard" if window else
+                "not every layer windowed: the whole context is kept")
         return replace(shape, notes=(
-            f"dflash2: target features of {model.conditioning_layers} layers read from storage "
-            f"inside the step ({model.conditioning_layers} x {model.hidden} x "
-            f"{STORED_FEATURE_BYTES} B = {per_token / 1e3:.0f} KB per context token, bf16 assumed "
-            "[U]; each rank reads the context it holds [U]) at the node's storage bandwidth shared "
-            "by its GPUs, exposed at the step's start; then projected (fc) and injected as K/V "
-            "into every draft layer; only draft blocks are queries",
-            f"anchors: {workload.max_anchors} draft blocks of {workload.block_size} at evenly spaced "
-            "positions (the expectation of uniform sampling); a block sees the context before its "
-            "anchor and itself",
+            features,
+            "then projected (fc) and injected as K/V into every draft layer; only draft blocks "
+            "are queries",
+            f"anchors: {anchor_count(workload)} draft blocks of {workload.block_size} sampled with "
+            "locality (adjacent anchors one block apart, implementation.md 14) as one run centred "
+            "in the context [U: run position]; a block sees the context before its anchor and "
+            "itself; " + trim,
+            f"throughput: tokens_per_s counts context tokens (ranking); supervised_tokens_per_s "
+            f"counts anchors x (block - 1) = {anchor_count(workload) * (workload.block_size - 1)} "
+            "per example, as the reference does (implementation.md 15)",
             "conventional CP: every context rank keeps all anchors and recomputes the draft layers "
             "and the loss (replication cp/bp); only the context K/V and context attention are "
             "sharded; BP/CSBP deal the anchors' blocks (dual-end over anchor order)",
@@ -151,6 +225,7 @@ def batch_rows(workload: Workload, model: ModelSpec) -> Workload:
     Step-time and memory formulas scale with the rows of the batch; throughput keeps counting
     examples (L context tokens each), so callers that count tokens read the original workload.
     """
+    workload = as_executed(workload, model)
     rows = objective_shape(workload, model).rows_per_example
     if rows == 1:
         return workload

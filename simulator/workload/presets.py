@@ -46,13 +46,30 @@ def _qwen35(name: str, note: str) -> ModelSpec:
     )
 
 
+# DFlash2 drafters' attention window (implementation.md section 14: the Muse-Glimmer fixture's
+# layers are sliding-window 2048; the Qwen3.8 drafter "windowed like Muse [inference]")
+DRAFTER_WINDOW = 2048
+
+
 def _dflash2() -> ModelSpec:
-    attn = AttentionSpec(n_heads=32, n_kv_heads=8, head_dim=128)
+    attn = AttentionSpec(kind="sliding", n_heads=32, n_kv_heads=8, head_dim=128, window=DRAFTER_WINDOW)
     return ModelSpec(
         name="dflash2-qwen3.8-27b", hidden=5120, ffn=17408, vocab=248320, layers=(attn,) * 5,
         conditioning_layers=5,
-        source="workloads.md: 5 layers, 32/8 heads; FFN width unverified (assumed = target's 17408); "
-               "vocabulary as the target",
+        source="implementation.md 14: 5 layers, hidden 5120, 32/8 heads of 128, FFN 17,408, vocab "
+               "248,320 [third-party config]; sliding window 2048 as the Muse fixture [inference, U]",
+    )
+
+
+def _dflash2_muse() -> ModelSpec:
+    attn = AttentionSpec(kind="sliding", n_heads=32, n_kv_heads=8, head_dim=128, window=DRAFTER_WINDOW)
+    return ModelSpec(
+        name="dflash2-muse-glimmer-30b", hidden=6656, ffn=19968, vocab=202048, layers=(attn,) * 5,
+        conditioning_layers=5,
+        source="implementation.md 14, the Muse-Glimmer drafter fixture: 5 sliding-window (2048) "
+               "layers, hidden 6656, 32/8 heads of 128, FFN 19,968, vocab 202,048; conditioned on 5 "
+               "target layers of the drafter's hidden width [U]; its block-local convolutions (2 taps, "
+               "groups of 16) and selector (rank 256, top-16) are not counted [U: small]",
     )
 
 
@@ -70,6 +87,7 @@ _PRESETS = {
     "qwen3.5-27b": lambda: _qwen35("qwen3.5-27b", ""),
     "qwen3.8-27b": lambda: _qwen35("qwen3.8-27b", "; Qwen3.8 assumed identical to Qwen3.5 (unverified)"),
     "dflash2-qwen3.8-27b": _dflash2,
+    "dflash2-muse-glimmer-30b": _dflash2_muse,
     "qwen3-8b": lambda: _dense("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936,
                                source="workloads.md (Qwen3-8B config)"),
     "qwen2.5-7b": lambda: _dense("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, qkv_bias=True,

@@ -17,6 +17,10 @@ Checkpointing = Literal["full", "none"]
 DType = Literal["bf16", "fp16", "fp32"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# dflash2: where the target features come from (implementation.md section 14): "offline" reads them
+# from storage through pinned host memory to the GPU one batch ahead (a real training job: the
+# planning default); "synthetic" holds them on the GPU once, no I/O (the published benchmark runs)
+Features = Literal["offline", "synthetic"]
 
 
 def parse_tokens(text: str | int) -> int:
@@ -54,6 +58,11 @@ class Workload(BaseModel):
     max_anchors: PositiveInt = 2048
     # dflash2: the loss runs over the vocabulary in blocks of this many entries (None: whole vocabulary)
     vocab_block: PositiveInt | None = 32768
+    # dflash2: target features read offline (the default for planning a real job) or synthetic
+    features: Features = "offline"
+    # dflash2: the drafter's attention window when every layer is windowed, filled from the model
+    # by `objectives.as_executed` (the context is then trimmed to the anchors' windows, section 14)
+    drafter_window: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "Workload":
