@@ -91,7 +91,7 @@ def test_written_profile_is_measured_and_every_figure_sourced(tmp_path):
     assert "load" in p.notes
     assert {"gpu.peak_tflops", "node.cores", "node.wakeup_latency_us", "links.nvlink.reduce_scatter_gbs",
             "gpu.op_overhead_us"} <= set(p.sources)
-    assert all(s.startswith(("measured", "CPUs", "MemTotal", "ranks", "runtime/attention"))
+    assert all(s.startswith(("measured", "CPUs", "MemTotal", "ranks", "runtime/models/attention"))
                for s in p.sources.values())
     assert p.links.infiniband is None
 

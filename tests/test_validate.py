@@ -161,3 +161,52 @@ def test_validate_warns_about_a_profile_from_another_host(tmp_path, monkeypatch,
     assert "another host" in warnings[0] and "csbp calibrate" in warnings[0]
     assert got["median_abs_error"] == pytest.approx(0.1) and got["rows"][0]["normalised_error"] is not None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _rows_by_world() -> list[dict]:
+    """World-2 plans predicted 20 % fast, world-4 plans 30 % slow: the issue-26 split."""
+    rows = []
+    for world, error in ((2, -0.2), (4, 0.3)):
+        for kind in ("dp", "cp", "bp", "csbp"):
+            rows.append({"plan": f"{kind}={world}", "kind": kind, "world": world, "error": error,
+                         "normalised_error": error / 2})
+    return rows
+
+
+def test_errors_are_grouped_by_world_size_and_plan_family():
+    groups = {g["label"]: g for g in report.error_groups(_rows_by_world())}
+    assert set(groups) == {"world 2", "world 4", "dp plans", "cp plans", "bp plans", "csbp plans"}
+    assert groups["world 2"]["plans"] == 4 and groups["world 2"]["mean_error"] == pytest.approx(-0.2)
+    assert groups["world 4"]["mean_normalised_error"] == pytest.approx(0.15)
+    # every family mixes both worlds: its signed mean hides the split, its mean |error| does not
+    assert groups["cp plans"]["mean_error"] == pytest.approx(0.05)
+    assert groups["cp plans"]["mean_abs_error"] == pytest.approx(0.25)
+    worst = report.worst_group(report.error_groups(_rows_by_world()), "mean_error")
+    assert worst["label"] == "world 4"
+    rows = _rows_by_world()
+    rows[0]["normalised_error"] = None  # a row without a probe: no normalised mean for its groups
+    groups = {g["label"]: g for g in report.error_groups(rows)}
+    assert groups["world 2"]["mean_normalised_error"] is None
+    assert groups["world 4"]["mean_normalised_error"] is not None
+
+
+def test_report_names_the_worst_group(tmp_path, monkeypatch, capsys):
+    """The text report: a table of group means and the worst group on the summary lines; the
+    JSON carries the groups."""
+    from csbp.simulator.commands.cli import main
+
+    def fake_suite(cases, repeats, steps, warmup, timeout_s, progress, probing):
+        return SuiteRuns([[_summary(1.0)] for _ in cases], [[0.15] for _ in cases],
+                         [{"after": "start", "probe_step_s": 0.15, "elapsed_s": 0.0}])
+
+    monkeypatch.setattr(v, "measure_suite", fake_suite)
+    monkeypatch.setattr(v, "predict", lambda case, p: _prediction(0.9 if case.plan.world == 2 else 1.4))
+    png = tmp_path / "v.png"
+    assert main(["validate", "--quick", "--plot", str(png)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # however rich wraps the line
+    assert "worst group world 4: mean +40.0%" in out
+    assert main(["validate", "--quick", "--json", "--plot", str(png)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["worst_group"]["label"] == "world 4"
+    assert {(g["by"], g["group"]) for g in got["groups"]} == {
+        ("world", 2), ("world", 4), ("kind", "cp"), ("kind", "csbp")}

@@ -77,3 +77,11 @@ def test_tick_labels_are_few_plain_and_apart():
 def test_log_ticks_are_round_and_within_range(lo, hi):
     ticks = log_ticks(lo, hi)
     assert 1 <= len(ticks) <= 6 and all(lo <= t <= hi for t in ticks) and ticks == sorted(ticks)
+
+
+def test_every_world_size_has_its_own_colour():
+    from csbp.runtime.validation.validation_plot import world_color
+
+    assert world_color(2) == COLORS[2] and world_color(4) == COLORS[4]
+    colours = [world_color(w) for w in (1, 2, 3, 4, 8)]
+    assert len(set(colours[:4])) == 4  # a world the suite adds later is not drawn in another's colour

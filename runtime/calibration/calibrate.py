@@ -19,6 +19,7 @@ from csbp.runtime.calibration.calibration_measurements import Measurements, meas
 from csbp.runtime.calibration.collective_fit import residuals
 from csbp.runtime.calibration.fit_figures import KIB
 from csbp.runtime.calibration.profile_fit import fit_profile
+from csbp.runtime.calibration.sharing_fit import step_check
 from csbp.simulator.errors import InputError
 from csbp.simulator.system.hardware import PROFILE_DIR, HardwareProfile, load_profile
 from csbp.simulator.report.report import print_json
@@ -30,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "microbenchmarks on this host and write a measured profile.")
     p.add_argument("--out", default=None, help="profile path (default: hardware_profiles/NAME.yaml)")
     p.add_argument("--name", default="cpu-measured", help="profile name (default: cpu-measured)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 2 minutes on 2 cores; the full run about 6, more on a busy host)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 2.5 minutes on 2 cores; the full run about 7, more on a busy host)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -63,12 +64,15 @@ def run(args: argparse.Namespace) -> int:
     rows = residuals(profile, m)
     errors = sorted(abs(r["alpha_beta_error"]) for r in rows)
     check = dense_attention_check(profile, m)
+    sharing = step_check(profile, m)
     summary = {"profile": str(out), "name": args.name, "host": m.identity.host,
                "date": m.identity.date, "load": m.load, "measured_on": m.identity.as_profile_fields(),
                "attention_fit_median_abs_error": statistics.median(abs(r["error"]) for r in check)
                if check else None,
                "attention_fit_max_abs_error": max(abs(r["error"]) for r in check) if check else None,
                "attention_fit": check,
+               # the one-process step with R processes at once, priced by the sharing figures
+               "sharing_check": sharing,
                "peak_tflops": profile.gpu.peak_tflops, "cores": profile.node.cores,
                # the table reproduces its own points; the alpha-beta fit is what the check is of
                "collective_fit_median_abs_error": statistics.median(errors),
@@ -106,3 +110,8 @@ def _print_summary(console, profile: HardwareProfile, summary: dict) -> None:
     out.print(f"alpha-beta fit (group sizes without a table): median |error| "
               f"{summary['collective_fit_median_abs_error']:.0%}, max "
               f"{summary['collective_fit_max_abs_error']:.0%}")
+    if summary["sharing_check"]:
+        out.print("ranks sharing the host, the one-process step (L = 256) with R processes at once, "
+                  "measured vs priced by node.rank_speed: " + ", ".join(
+                      f"R = {r['ranks']} {r['measured_s'] * 1e3:.0f} / {r['predicted_s'] * 1e3:.0f} ms "
+                      f"({r['error']:+.0%})" for r in summary["sharing_check"]))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from csbp.runtime.calibration.fit_figures import KIB, MIB
 from csbp.runtime.calibration.host_identity import HostIdentity, loadavg, this_host
-from csbp.runtime.validation.validation_suite import BLOCK, VALIDATION_MODEL
+from csbp.runtime.validation.validation_suite import BLOCK, PLANS, VALIDATION_MODEL
 
 COLLECTIVE_SIZES = (4 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 QUICK_COLLECTIVE_SIZES = (4 * KIB, 1 * MIB, 16 * MIB)
@@ -67,6 +67,11 @@ class Measurements:
     step_load: dict[int, float] = field(default_factory=dict)  # processes -> step seconds each
     probe: tuple[float, float] | None = None  # reference step seconds, start and end of the run
     score_copies: list[tuple[int, int, float]] = field(default_factory=list)  # (q, keys, copies)
+    # ranks busy at once -> op class -> calls per second each rank got (`rank_sharing`)
+    rank_rates: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    # ranks on the host -> seconds a pair's small all-reduce adds to a loop of compute
+    pair_calls: dict[int, float] = field(default_factory=dict)
+    rank_window_s: float = 0.0  # seconds each op class ran at once in `rank_rates`
 
 
 def gemm_shapes(hidden: int, widths: tuple[int, ...], tokens: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -89,6 +94,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     import torch
 
     from csbp.runtime.calibration import microbench as mb
+    from csbp.runtime.calibration.rank_sharing import pair_call_seconds, rank_speeds
     from csbp.runtime.memory.allocator import keep_freed_memory
     from csbp.runtime.calibration.one_process_graph import step_kernels
 
@@ -125,12 +131,14 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     tiny = mb.tiny_step_seconds(tiny_spec(), TINY_SEQ, TINY_SEQ, steps=10 if quick else 30)
     optimizer = mb.optimizer_seconds(spec)
     step("core sharing")
-    seconds = 0.3 if quick else 1.0
-    gemm_load, rss = {}, 0
-    for procs in (1, 2, 4):
-        results = mb.gemm_rate_under_load(procs, threads, seconds=seconds)
-        gemm_load[procs] = [r["flops_per_s"] for r in results]
+    rank_rates, gemm_load, rss, window = {}, {}, 0, 0.4 if quick else 1.0
+    for procs in range(1, max(PLANS) + 1):  # 1..the largest world csbp validate runs
+        results = rank_speeds(procs, seconds=window)
+        rank_rates[procs] = {c: [r["calls_per_s"][c] for r in results] for c in results[0]["calls_per_s"]}
+        gemm_load[procs] = [r["calls_per_s"]["gemm"] * r["flop_per_call"]["gemm"] for r in results]
         rss = max(rss, *(r["baseline_rss_bytes"] for r in results))
+    pair_calls = {world: pair_call_seconds(world, repeats=3 if quick else 5)
+                  for world in sorted(PLANS) if world % 2 == 0}
     cpus = identity.cpus
     step_load = {procs: mb.step_seconds_under_load(procs, seconds=1.0 if quick else 4.0)
                  for procs in (cpus, 2 * cpus)}
@@ -148,4 +156,5 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
         collectives=collectives, linear=linear, dense_attention=dense,
         tiny_step=(tiny, step_kernels(tiny_spec(), TINY_SEQ)), optimizer=optimizer,
         step_load=step_load, score_copies=score_copies, probe=(probe_start, mb.probe_step_seconds()),
+        rank_rates=rank_rates, pair_calls=pair_calls, rank_window_s=window,
         notes=["Quick calibration: fewer sizes and repeats."] if quick else [])

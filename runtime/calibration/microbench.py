@@ -103,6 +103,11 @@ def layer_elementwise_seconds(spec, tokens: int, budget_s: float = 0.3) -> float
     checkpointing (forward without grad, forward again recording autograd, backward): two
     RMSNorms, RoPE on q and k, two residual adds and SwiGLU's silu(gate) * up, eager, each op
     its own pass over memory (the step graph prices them as fused)."""
+    return op_seconds(layer_elementwise_step(spec, tokens), budget_s, lo=5)
+
+
+def layer_elementwise_step(spec, tokens: int) -> Callable[[], None]:
+    """One call of a layer's memory-bound ops as `layer_elementwise_seconds` times them."""
     from csbp.runtime.models.model import RMSNorm, apply_rope, rope_tables
 
     a, h = spec.layers[0], spec.hidden
@@ -127,7 +132,7 @@ def layer_elementwise_seconds(spec, tokens: int, budget_s: float = 0.3) -> float
         outs = forward()
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    return op_seconds(train, budget_s, lo=5)
+    return train
 
 
 def attention_flop(queries: int, keys: int, head_dim: int, heads: int) -> float:
@@ -235,6 +240,14 @@ def bd3lm_call_seconds(spec, seq_len: int, block: int, queries: int, where: str,
     autograd (as a training step does); backward is autograd through it, timed as forward +
     backward minus forward.
     """
+    fwd, both, visible_share = bd3lm_call(spec, seq_len, block, queries, where)
+    t_fwd = op_seconds(fwd, budget_s / 2, lo=5)
+    t_both = op_seconds(both, budget_s, lo=5)
+    return t_fwd, max(t_both - t_fwd, 1e-9), visible_share
+
+
+def bd3lm_call(spec, seq_len: int, block: int, queries: int, where: str):
+    """(forward, forward + backward, visible fraction) of one call of `bd3lm_call_seconds`."""
     from csbp.runtime.models.attention import attention_with_lse
     from csbp.simulator.layout.mask import visible
 
@@ -256,9 +269,7 @@ def bd3lm_call_seconds(spec, seq_len: int, block: int, queries: int, where: str,
         out, _ = attention_with_lse(q, k, v, allowed, scale)
         out.sum().backward()
 
-    t_fwd = op_seconds(fwd, budget_s / 2, lo=5)
-    t_both = op_seconds(both, budget_s, lo=5)
-    return t_fwd, max(t_both - t_fwd, 1e-9), float(allowed.float().mean())
+    return fwd, both, float(allowed.float().mean())
 
 
 def attention_peak_scores(spec, queries: int, keys: int, seq_len: int, block: int) -> float:
@@ -335,7 +346,7 @@ def op_overhead_seconds(repeats: int = 2000) -> float:
 
 @dataclass(frozen=True)
 class _Job:
-    kind: str  # "collectives" | "gemm-load" | "step-load"
+    kind: str  # "collectives" | "step-load" (ranks sharing the host: rank_sharing.py)
     world: int
     port: int
     threads: int
@@ -354,11 +365,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_workers(job: _Job, timeout_s: float) -> list[dict]:
-    """Start `job.world` spawned workers, return each rank's result; kill them all on timeout."""
+def _run_workers(job: _Job, timeout_s: float, target: Callable | None = None) -> list[dict]:
+    """Start `job.world` spawned workers (`target(rank, job, queue)`, default `_worker`), return
+    each rank's result; kill them all on timeout."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(rank, job, queue), daemon=True)
+    procs = [ctx.Process(target=target or _worker, args=(rank, job, queue), daemon=True)
              for rank in range(job.world)]
     for p in procs:
         p.start()
@@ -392,9 +404,7 @@ def _worker(rank: int, job: _Job, queue) -> None:
     keep_freed_memory()
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated collective names
     try:
-        if job.kind == "gemm-load":
-            payload = _gemm_load(job)
-        elif job.kind == "step-load":
+        if job.kind == "step-load":
             payload = _step_load(job)
         else:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}",
@@ -406,19 +416,6 @@ def _worker(rank: int, job: _Job, queue) -> None:
         queue.put((rank, payload))
     except Exception as err:  # reported to the parent, which fails the calibration
         queue.put((rank, f"{type(err).__name__}: {err}"))
-
-
-def _gemm_load(job: _Job) -> dict:
-    """Run square GEMMs for `job.seconds`: the FLOP rate this process got, and its RSS before."""
-    rss = resident_high_water()
-    a = torch.randn(job.gemm, job.gemm)
-    b = torch.randn(job.gemm, job.gemm)
-    a @ b
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < job.seconds:
-        a @ b
-        calls += 1
-    return {"flops_per_s": 2 * job.gemm**3 * calls / elapsed, "baseline_rss_bytes": rss}
 
 
 def _step_load(job: _Job) -> float:
@@ -512,14 +509,6 @@ def collective_seconds(world: int, sizes: Sequence[int], ops: Sequence[str] = CO
                repeats=repeats, calls=calls, gap_s=gap_s)
     first = _run_workers(job, timeout_s)[0]
     return {key: max(seconds, 1e-6) for key, seconds in first.items()}
-
-
-def gemm_rate_under_load(procs: int, threads: int = 1, size: int = 512, seconds: float = 1.0,
-                         timeout_s: float = 120.0) -> list[dict]:
-    """Per process, `flops_per_s` it got while all `procs` ran GEMMs at once (core sharing),
-    and `baseline_rss_bytes`, its resident set after importing torch."""
-    job = _Job("gemm-load", procs, 0, threads, gemm=size, seconds=seconds)
-    return _run_workers(job, timeout_s)
 
 
 def step_seconds_under_load(procs: int, seq_len: int = 256, seconds: float = 4.0,

@@ -6,7 +6,8 @@ Every figure is derived from first principles and carries a source naming the me
   runtime trains it, by GFLOP; attention tiles by length, with the runtime's attention code);
 - memory-bound ops: copy bandwidth, and the fraction of it the eager layer ops and AdamW reach
   against the step graph's fused byte counts;
-- core sharing: GEMM rate of 1, 2, 4 processes at once and a training step with twice as many
+- core sharing: each op class's speed with 1..4 ranks busy at once and a pair's collective call
+  with 2 and 4 ranks on the host (`sharing_fit`), and a training step with twice as many
   processes as cores;
 - host: time per step-graph kernel, the reference probe step, and where it was measured;
 - collectives (`collective_fit`) and explicit attention (`attention_fit`) in their own modules.
@@ -23,6 +24,7 @@ from csbp.runtime.calibration.calibration_measurements import TINY_SPEC_TEXT, Me
 from csbp.runtime.calibration.collective_fit import fit_links
 from csbp.runtime.calibration.fit_figures import GIB, MIB, efficiency_curve, figure, rounded
 from csbp.runtime.calibration.one_process_graph import graph_ops
+from csbp.runtime.calibration.sharing_fit import sharing_figures
 from csbp.runtime.validation.validation_suite import VALIDATION_MODEL
 from csbp.simulator.system.hardware import HardwareProfile
 
@@ -100,12 +102,13 @@ def fit_profile(m: Measurements, name: str) -> dict:
             "gpus_per_node": figure(4, "ranks per host csbp validate runs (world sizes 2 and 4); "
                                      "they share node.cores"),
             "cores": figure(float(cpus), "CPUs this process may run on (sched_getaffinity); "
-                             "check, summed GEMM rate of " + ", ".join(
+                             "check, summed nn.Linear forward + backward rate of " + ", ".join(
                                  f"{p} process{'es' if p > 1 else ''} at once {load_rates[p] / 1e9:.0f} GFLOP/s"
                                  for p in sorted(load_rates))
                              + f": {effective:.2f} cores' worth under load {m.load}"),
             **{k: v for k, v in node_extra.items() if v is not None},
             **_sharing(m, cpus),
+            **sharing_figures(m),
             **_probe(m),
         },
         "links": {"nvlink": link},

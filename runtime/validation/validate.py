@@ -6,7 +6,9 @@ For DP, CP, pure BP and CSBP at world sizes 2 and 4 and two context lengths of a
 activation-checkpointing settings, peak memory as allocated bytes) and
 `simulate()` predicts them on a measured profile of this host. The report
 (`validation_report`): per-plan error raw and normalised by the probe (host drift taken out),
-median and max of both, run-to-run noise and host drift beside them, whether the predicted
+median and max of both, the mean error per world size and per plan family (a host model that
+gets how ranks share the host wrong is off for every plan of one world size alike; the summary
+names the worst group), run-to-run noise and host drift beside them, whether the predicted
 order of plans matches the measured one wherever two plans differ by more than the noise, exact
 byte equality, and a predicted-vs-measured plot (`validation_plot`). Before anything runs it
 says when the profile was measured on another host, with another torch, or long ago
@@ -125,6 +127,10 @@ def measure_suite(cases: list[Case], repeats: int, steps: int, warmup: int, time
                    probe_step_seconds if probing else None)
 
 
+def _worst(group: dict | None, field: str) -> str:
+    return f"; worst group {group['label']}: mean {group[field]:+.1%}" if group else ""
+
+
 def _print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -148,13 +154,22 @@ def _print_report(report: dict) -> None:
                       f"{r['rss_peak_gib'] * 1024:.0f}")
     console = Console()
     console.print(table)
+    groups = Table(title="mean step time error by world size and plan family (signed: > 0 predicted slower)")
+    for col in ("group", "plans", "mean error", "mean |error|", *(("mean normalised",) if normal else ())):
+        groups.add_column(col, justify="right")
+    for g in report["groups"]:
+        groups.add_row(g["label"], str(g["plans"]), f"{g['mean_error']:+.1%}", f"{g['mean_abs_error']:.1%}",
+                       *((f"{g['mean_normalised_error']:+.1%}",) if normal else ()))
+    console.print(groups)
     decided = [p for p in report["ranking_pairs"] if p["decided"]]
     console.print(f"step time error, raw: median {report['median_abs_error']:.1%}, max "
-                  f"{report['max_abs_error']:.1%}; run-to-run noise (median) ±{report['noise']:.1%}")
+                  f"{report['max_abs_error']:.1%}; run-to-run noise (median) ±{report['noise']:.1%}"
+                  + _worst(report["worst_group"], "mean_error"))
     if normal:
         console.print(f"step time error, normalised by the reference probe (host drift taken out): "
                       f"median {report['median_abs_normalised_error']:.1%}, max "
-                      f"{report['max_abs_normalised_error']:.1%}; noise ±{report['normalised_noise']:.1%}")
+                      f"{report['max_abs_normalised_error']:.1%}; noise ±{report['normalised_noise']:.1%}"
+                      + _worst(report["worst_normalised_group"], "mean_normalised_error"))
     console.print(f"ranking: {sum(p['agrees'] for p in decided)}/{len(decided)} pairs that differ by "
                   f"more than the noise in the measured order -> "
                   f"{'matches' if report['ranking_matches'] else 'does NOT match'}")

@@ -11,6 +11,10 @@ Memory is compared as one quantity on both sides: the runtime's allocated-bytes 
 max_memory_allocated, or `runtime.memory_tracker` on CPU; the median over repeats, with their
 spread) against the timeline's live-tensor peak (`Result.peak_allocated_gib`: no allocator
 overhead, no reserved memory). The resident set (`rss_peak_gib`) is shown beside it, not mixed in.
+
+Errors are also averaged per world size and per plan family (`error_groups`), signed: a model
+that gets how ranks share the host wrong is off for every plan of one world size in the same
+direction, which a median over all plans hides; the worst group is named in the summary.
 """
 
 from __future__ import annotations
@@ -71,7 +75,10 @@ def compare(cases: list[Case], suite: SuiteRuns, predictions: list,
     normal = sorted(abs(r["normalised_error"]) for r in rows if r["normalised_error"] is not None)
     pairs = ranking_pairs(rows)
     mem_errors = sorted(abs(r["memory_error"]) for r in rows if r["memory_error"] is not None)
+    groups = error_groups(rows)
     return {
+        "groups": groups, "worst_group": worst_group(groups, "mean_error"),
+        "worst_normalised_group": worst_group(groups, "mean_normalised_error"),
         "median_abs_memory_error": statistics.median(mem_errors) if mem_errors else None,
         "max_abs_memory_error": mem_errors[-1] if mem_errors else None,
         "median_abs_error": statistics.median(errors), "max_abs_error": errors[-1],
@@ -85,6 +92,35 @@ def compare(cases: list[Case], suite: SuiteRuns, predictions: list,
         "ranking_matches": all(p["agrees"] for p in pairs if p["decided"]),
         "ranking_pairs": pairs, "rows": rows,
     }
+
+
+GROUPINGS = {"world": "world", "kind": "plans"}  # row key -> how a group is named
+
+
+def error_groups(rows: list[dict]) -> list[dict]:
+    """Mean signed and absolute step-time error of the plans of each world size and of each plan
+    family (dp, cp, bp, csbp), raw and normalised (None where a row has no normalised error)."""
+    out = []
+    for key in GROUPINGS:
+        for value in sorted({r[key] for r in rows}):
+            members = [r for r in rows if r[key] == value]
+            normal = [r.get("normalised_error") for r in members]
+            out.append({"by": key, "group": value, "label": group_label(key, value),
+                        "plans": len(members),
+                        "mean_error": statistics.fmean(r["error"] for r in members),
+                        "mean_abs_error": statistics.fmean(abs(r["error"]) for r in members),
+                        "mean_normalised_error": None if None in normal else statistics.fmean(normal)})
+    return out
+
+
+def group_label(key: str, value) -> str:
+    return f"world {value}" if key == "world" else f"{value} {GROUPINGS[key]}"
+
+
+def worst_group(groups: list[dict], field: str) -> dict | None:
+    """The group whose mean error (`field`, signed) is furthest from 0."""
+    scored = [g for g in groups if g[field] is not None]
+    return max(scored, key=lambda g: abs(g[field])) if scored else None
 
 
 def normalised(row: dict, medians: list[float], steps: list[float], probes: list[float | None],
