@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from csbp.simulator.errors import InputError, one_line
-from csbp.simulator.workload.objectives import default_objective
+from csbp.simulator.workload.objectives import default_objective, recipe_checkpointing
 from csbp.simulator.plan.plan import Plan, check_size, parse_plan
 from csbp.simulator.workload.presets import load_model
 from csbp.simulator.workload.spec import ModelSpec
@@ -42,7 +42,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> N
                    help="bd3lm | fast-dllm-v2 | diffusiongemma | dflash2 (default: the model's)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per replica")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
-    p.add_argument("--checkpointing", default="full", help="activation checkpointing: full | none")
+    p.add_argument("--checkpointing", default=None,
+                   help="activation checkpointing: full | none (default: full; dflash2: none, its recipe)")
     p.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3")
     p.add_argument("--features", default="offline",
                    help="dflash2 target features: offline (read from storage and copied to the GPU "
@@ -120,11 +121,13 @@ def add_plan_args(p: argparse.ArgumentParser, *, required: bool = False) -> None
 
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
     model = load_model(args.model)
+    objective = args.objective or default_objective(model)
     try:
         workload = Workload(
             seq_len=parse_tokens(args.seq_len), block_size=args.block_size,
-            objective=args.objective or default_objective(model), micro_batch=args.micro_batch,
-            dtype=args.dtype, checkpointing=args.checkpointing, zero_stage=args.zero,
+            objective=objective, micro_batch=args.micro_batch, dtype=args.dtype,
+            checkpointing=args.checkpointing or recipe_checkpointing(objective) or "full",
+            zero_stage=args.zero,
             **{k: v for k, v in (("features", getattr(args, "features", None)),
                                  ("max_anchors", getattr(args, "max_anchors", None)),
                                  ("vocab_block", getattr(args, "vocab_block", None))) if v is not None})

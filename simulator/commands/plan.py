@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -14,6 +14,7 @@ from csbp.simulator.commands.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, D
                                 add_cluster_args, add_from_arg, add_workload_args, imported_inputs,
                                 inputs_from_args, profile_from_args)
 from csbp.simulator.errors import InputError
+from csbp.simulator.workload.objectives import recipe_checkpointing
 from csbp.simulator.plan.plan import AXES, DEFAULT_PLACEMENT
 from csbp.simulator.planner.planner import (STRIPED_PLACEMENT, Search, cluster_gpus, fmt_tokens, label_of, placements,
                                     plan_of, search)
@@ -151,6 +152,11 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
     else:
         flags = vars(args) | {"checkpointing": args.checkpointing or "full"}
         inputs, yours = inputs_from_args(argparse.Namespace(**flags)), None
+    if not args.checkpointing and recipe_checkpointing(inputs.workload.objective):
+        # an objective whose recipe fixes it (DFlash2: none, implementation.md 14) is not searched
+        searched["checkpointing"] = (recipe_checkpointing(inputs.workload.objective),)
+        inputs = replace(inputs, workload=inputs.workload.model_copy(
+            update={"checkpointing": searched["checkpointing"][0]}))
     job = (f"{inputs.model.name} at {fmt_tokens(inputs.workload.seq_len)} on {args.nodes} x "
            f"{profile.node.gpus_per_node} {profile.gpu.name}")
     if is_default_job(args) and not imported:
@@ -359,8 +365,10 @@ def _ranking(found, top: int) -> Table:
     table = Table(title=f"Top {min(top, len(found.ranked))} of {found.feasible} feasible candidates",
                   box=box.SIMPLE_HEAD, caption="K/V: clean K/V transport; blocks: noisy-block schedule; "
                   "ckpt: activation checkpointing; cf: closed-form screen only", caption_justify="left")
-    for col in ("#", "plan", "K/V", "blocks", "ckpt", "tokens/s", "vs base", "step", "peak mem",
-                "attn/GPU", "exposed", "engine"):
+    # the objective's own count beside context tokens/s (implementation.md 15), e.g. supervised
+    own = found.ranked[0].objective_tokens_name if found.ranked else None
+    for col in ("#", "plan", "K/V", "blocks", "ckpt", "tokens/s", *([f"{own}/s"] if own else []),
+                "vs base", "step", "peak mem", "attn/GPU", "exposed", "engine"):
         text = col in ("plan", "K/V", "blocks", "ckpt", "engine")
         table.add_column(col, justify="left" if text else "right", no_wrap=col == "plan")
     for i, r in enumerate(found.ranked[:top], 1):
@@ -369,6 +377,7 @@ def _ranking(found, top: int) -> Table:
         table.add_row(str(i), plan.label() + striped + (" (baseline)" if r is base else ""),
                       plan.transport if plan.cp > 1 else "-", plan.schedule if plan.bp > 1 else "-",
                       r.workload["checkpointing"], f"{r.tokens_per_s:,.0f}",
+                      *([f"{r.objective_tokens_per_s:,.0f}" if r.objective_tokens_per_s else "-"] if own else []),
                       f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-",
                       fmt_time(r.step_time_s), _gib(r.peak_memory_gib),
                       _gib(r.attention_traffic_gib_per_gpu), fmt_time(r.exposed_comm_s),

@@ -31,7 +31,8 @@ from csbp.simulator.cost.linear_ops import (DELTA_RULE_CHUNK, LINEAR_STATE_BYTES
                                        LinearAttentionOps, delta_rule_flops_per_token)
 from csbp.simulator.cost.loss_ops import LossOps
 from csbp.simulator.cost.moe_ops import MoEOps
-from csbp.simulator.cost.objective_ops import ObjectiveOps, _canvas_pairs, _sequence_pairs
+from csbp.simulator.cost.objective_ops import (ObjectiveOps, _anchor_pairs_of, _canvas_pairs, _context_rows_of,
+                                               _sequence_pairs)
 from csbp.simulator.cost.optimizer_ops import ADAMW_BYTES_PER_PARAM, OptimizerOps  # noqa: F401 (re-exported)
 from csbp.simulator.workload.objectives import ObjectiveShape, batch_rows, objective_shape
 from csbp.simulator.layout.pairs import pairs_with_keys  # noqa: F401 (re-exported)
@@ -414,7 +415,8 @@ ALSO_CLEARED: list = []
 def clear_caches() -> None:
     """Forget what earlier graphs cached, layouts included (a benchmark measuring a cold start)."""
     clear_layout_caches()
-    for cached in (_placed_group, _sequence_pairs, _canvas_pairs, pairs._window_prefix, pairs._block_counts):
+    for cached in (_placed_group, _sequence_pairs, _canvas_pairs, _anchor_pairs_of, _context_rows_of,
+                   pairs._window_prefix, pairs._block_counts):
         cached.cache_clear()
     for clear in ALSO_CLEARED:
         clear()

@@ -21,19 +21,31 @@ class LossOps:
         """Rows the LM head and loss run on: the noisy tokens, and every clean row too when the
         objective adds an autoregressive loss on the clean stream (DiffusionGemma); a clean row
         replicated on several ranks (pure BP, CSBP's replicas) runs it on each [U]."""
-        return self.tokens if self.obj.clean_loss else self.noisy
+        rows = self.tokens if self.obj.clean_loss else self.noisy
+        # only the rows that carry a label (Fast-dLLM v2's L - 1 valid rows, objectives.py)
+        return rows * self.obj.loss_row_share if self.obj.loss_row_share != 1.0 else rows
 
     def head_calls(self, per_block: int) -> int:
         """GEMM calls of the LM head: `per_block` per vocabulary block of the rank's V/tp."""
         blk = self.obj.vocab_block
         return per_block * (math.ceil(self.m.vocab / self.tp / blk) if blk else 1)
 
+    def loss_tiles(self, rows: np.ndarray) -> int | None:
+        """Row tiles of a tiled loss kernel (`implementation.loss`), None for Liger's chunks or
+        a frozen head (its own kernel, objectives.py). Each GEMM call is one tile's rows; the
+        ranks' loss rows differ little, the most loaded sets the count."""
+        kernel = self.impl.loss
+        if kernel.kernel != "tiled-ce" or self.obj.frozen_embeddings:
+            return None
+        return max(1, math.ceil(float(np.max(rows)) / kernel.tile_rows))
+
     def loss_forward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
         """Vocabulary-parallel LM head and cross-entropy over the loss rows (`loss_rows`)."""
         h, V = self.m.hidden, self.m.vocab
         rows = self.loss_rows() if rows is None else rows
+        tiles = self.loss_tiles(rows)
         x = self.add("head-in.ag", "forward", None, self.tp_collective("all-gather", rows), x)
-        x = self.add("lm-head", "forward", None, self.gemm(2 * rows * h * V / self.tp, self.head_calls(1)), x)
+        x = self.add("lm-head", "forward", None, self.gemm(2 * rows * h * V / self.tp, tiles or self.head_calls(1)), x)
         # vocabulary-parallel cross-entropy: each row's max logit, then its target logit and sum
         # of exponentials, all-reduced over TP in fp32 (Megatron's algorithm)
         for name, values in (("max", 1), ("sums", 2)):
@@ -52,11 +64,40 @@ class LossOps:
 
     def loss_backward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
         """The LM head's backward: input and weight gradients, or the input gradient of a frozen
-        head; plus the forward again where the logits are recomputed in backward."""
-        h, V, obj = self.m.hidden, self.m.vocab, self.obj
+        head; plus the forward again where the logits are recomputed in backward.
+
+        A tiled kernel (implementation.md 9) recomputes each tile's logits, writes and reads its
+        backward buffers (`backward_tile_bytes`, each written once and read once [U]), accumulates
+        the weight gradient in fp32 inside the GEMM and casts it once; under TP the input
+        gradient is all-reduced or reduce-scattered as the profile says."""
+        h, V, obj, kernel = self.m.hidden, self.m.vocab, self.obj, self.impl.loss
         rows = self.loss_rows() if rows is None else rows
-        ratio = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO) + obj.head_recompute
-        calls = (1 if obj.frozen_embeddings else 2) + obj.head_recompute
-        x = self.add("lm-head-bwd", "backward", None, self.gemm(
-            ratio * 2 * rows * h * V / self.tp, self.head_calls(calls)), x)
+        tiles = self.loss_tiles(rows)
+        if tiles is None:
+            ratio = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD_FLOP_RATIO) + obj.head_recompute
+            calls = self.head_calls((1 if obj.frozen_embeddings else 2) + obj.head_recompute)
+        else:
+            passes = GEMM_BACKWARD_FLOP_RATIO + kernel.recompute_logits
+            ratio, calls = passes, tiles * int(passes)
+        x = self.add("lm-head-bwd", "backward", None, self.gemm(ratio * 2 * rows * h * V / self.tp, calls), x)
+        if tiles is not None:
+            x = self.add("cross-entropy-bwd", "backward", None, self.memory_bound(
+                rows * V / self.tp * 2 * sum(kernel.backward_tile_bytes)), x)
+            x = self.add("lm-head.grad-weight.cast", "backward", None, self.memory_bound(
+                V / self.tp * h * sum(kernel.grad_weight_bytes)), x)
+        if kernel.tp_grad_hidden == "all-reduce" and tiles is not None:
+            return self.add("head.grad-hidden.ar", "backward", None, self.comm(
+                "all-reduce", rows * h * self.dt * 2 * self.ring_share(self.g_tp), self.g_tp, "tp"), x)
         return self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", rows), x)
+
+
+def loss_buffers(model, kernel, rows: np.ndarray, dt: int, tp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes a tiled loss kernel holds per rank (implementation.md 9): in the forward one tile's
+    logits; in the backward the tile's buffers, the whole [V/tp, h] weight gradient (fp32 and
+    its copy) and every loss row's input gradient (fp32 then bf16). `rows`: loss rows per rank."""
+    V = math.ceil(model.vocab / tp)
+    tile = np.minimum(rows, kernel.tile_rows)
+    forward = tile * V * (kernel.logits_bytes or dt)
+    backward = (tile * V * sum(kernel.backward_tile_bytes) + V * model.hidden * sum(kernel.grad_weight_bytes)
+                + rows * model.hidden * sum(kernel.grad_hidden_bytes))
+    return forward.astype(float), backward.astype(float)

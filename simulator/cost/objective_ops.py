@@ -13,6 +13,7 @@ from csbp.simulator.layout import kv_rows
 from csbp.simulator.layout.objective_layout import (canvas_view, locality_anchor_blocks, untrimmed,
                                                       window_union)
 from csbp.simulator.layout.pairs import QueryIntervals
+from csbp.simulator.layout.spans import normalize
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.cost.linear_ops import delta_rule_flops_per_token
 from csbp.simulator.cost.step_ops import COUNT_BYTES, Comm, Compute, Deps, Work
@@ -30,15 +31,22 @@ def _anchor_tokens(w: Workload) -> int:
     return min(w.max_anchors, w.n_blocks) * w.block_size
 
 def _anchor_pairs(w: Workload, window: int | None = None) -> int:
-    blocks = locality_anchor_blocks(w.n_blocks, w.max_anchors)
-    spans = tuple((k * w.block_size, (k + 1) * w.block_size) for k in blocks)
-    return mask.pairs(spans, w.seq_len, w.block_size, window)
+    return _anchor_pairs_of(w.seq_len, w.block_size, w.max_anchors, window)
+
+@functools.lru_cache(maxsize=64)
+def _anchor_pairs_of(seq_len: int, block: int, anchors: int, window: int | None) -> int:
+    blocks = locality_anchor_blocks(seq_len // block, anchors)
+    spans = normalize((k * block, (k + 1) * block) for k in blocks)  # one run: one span
+    return mask.pairs(spans, seq_len, block, window)
 
 def _context_rows(w: Workload) -> int:
     """Context rows a drafter turns into K/V: all L, or a windowed drafter's trimmed union."""
-    trim = window_union(locality_anchor_blocks(w.n_blocks, w.max_anchors), w.seq_len, w.block_size,
-                        w.drafter_window)
-    return w.seq_len if trim is None else sum(b - a for a, b in trim)
+    return _context_rows_of(w.seq_len, w.block_size, w.max_anchors, w.drafter_window)
+
+@functools.lru_cache(maxsize=64)
+def _context_rows_of(seq_len: int, block: int, anchors: int, window: int | None) -> int:
+    trim = window_union(locality_anchor_blocks(seq_len // block, anchors), seq_len, block, window)
+    return seq_len if trim is None else sum(b - a for a, b in trim)
 
 def _scaled(work: Work, p: float) -> Work:
     """The expected work of something that runs with probability p."""
@@ -158,8 +166,10 @@ class ObjectiveOps:
         if obj.clean_stream_counted_once and rows > 1:
             # Fast-dLLM v2 (implementation.md 13): every row runs the clean stream; the useful
             # work is one row's 2L and the other rows' noisy halves (their own views)
-            noisy = self._layers_flops(L, canvas, 3.0) + 3 * head
-            useful = (obj.passes * (main + (rows - 1) * noisy) + obj.canvas_passes * selfcond) / rows
+            # the head and loss over the L - 1 valid rows of the example (section 13)
+            layers = self._layers_flops(2 * L, pairs, 3.0) + (rows - 1) * self._layers_flops(L, canvas, 3.0)
+            valid = 3 * head * obj.loss_row_share * rows
+            useful = (obj.passes * (layers + valid) + obj.canvas_passes * selfcond) / rows
         # micro_batch counts the batch's rows (`batch_rows`)
         return useful * self.w.micro_batch
 

@@ -38,8 +38,16 @@ def window_union(blocks, seq_len: int, block: int, window: int | None) -> tuple:
     `compact_dflash_target_context`); None: no window, nothing trimmed."""
     if window is None:
         return None
-    L = seq_len
-    return normalize((L + max(0, k * block - window + 1), L + k * block) for k in blocks if k)
+    out: list[list[int]] = []
+    for k in sorted(blocks):  # windows of sorted blocks start in order: merge in one pass
+        if not k:
+            continue
+        lo, hi = seq_len + max(0, k * block - window + 1), seq_len + k * block
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((a, b) for a, b in out)
 
 
 @dataclass(frozen=True)
@@ -76,14 +84,17 @@ class AnchorLayout(Layout):
             return tuple(RankShare(r, drafts(blocks), trimmed(zigzag(L, p.cp, r, offset=L)), blocks, 0)
                          for r in range(p.cp))
         shares = []
-        for r, idx in enumerate(assign_blocks(len(blocks), p.bp, p.schedule)):
+        dealt = assign_blocks(len(blocks), p.bp, p.schedule)
+        groups: dict[int, tuple] = {}  # CSBP: each cp sub-group's anchors, once
+        for q, ix in enumerate(dealt):
+            groups[q // p.cp] = groups.get(q // p.cp, ()) + tuple(blocks[i] for i in ix)
+        for r, idx in enumerate(dealt):
             mine = tuple(blocks[i] for i in idx)
             if p.kind == "bp":
                 context = ((L, L + max(mine) * b),) if mine and max(mine) else ()
                 shares.append(RankShare(r, drafts(mine), trimmed(context, mine), mine, 0))
             else:  # CSBP: each cp sub-group trims its zigzag shard to its anchors' windows [U]
-                group = tuple(blocks[i] for q, ix in enumerate(assign_blocks(len(blocks), p.bp, p.schedule))
-                              if q // p.cp == r // p.cp for i in ix)
+                group = groups[r // p.cp]
                 shares.append(RankShare(r, drafts(mine), trimmed(zigzag(L, p.cp, r % p.cp, offset=L), group),
                                         mine, r // p.cp))
         return tuple(shares)

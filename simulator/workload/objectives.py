@@ -79,6 +79,10 @@ class ObjectiveShape:
     bp_whole_clean: bool = False
     # Fast-dLLM v2's clean stream runs in both rows (section 13): counted once as useful FLOPs
     clean_stream_counted_once: bool = False
+    # share of the loss rows (noisy, or every row with clean_loss) the LM head and loss run on:
+    # Fast-dLLM v2 gathers the L - 1 valid rows of an example out of its two rows' noisy halves
+    # (implementation.md 13), so (L - 1) / (2L); 1 elsewhere
+    loss_row_share: float = 1.0
     # what the objective's users count per example (section 15): context tokens L, valid tokens
     # L - 1 (Fast-dLLM v2), or supervised draft tokens anchors x (block - 1) (DFlash2)
     counted_tokens: str = "context"
@@ -137,14 +141,18 @@ def objective_shape(workload: Workload, model: ModelSpec, plan: Plan | None = No
     MAX-synchronised self-conditioning; without one, a single example)."""
     obj = workload.objective
     if obj == "fast-dllm-v2":
+        share = (workload.seq_len - 1) / (2 * workload.seq_len)
         return ObjectiveShape(**{**_BASE, "name": obj, "rows_per_example": 2,
-                                 "clean_stream_counted_once": True, "counted_tokens": "valid", "notes": (
+                                 "clean_stream_counted_once": True, "counted_tokens": "valid",
+                                 "loss_row_share": share, "notes": (
             "fast-dllm-v2: the two complementary masked views are two rows of the batch, each a "
             "packed [noisy | clean] 2L sequence, in one forward/backward (implementation.md 4): "
             "every GEMM, attention call and K/V collective carries both rows, gradients reduced "
             "once; tokens_per_s counts L context tokens per example, valid_tokens_per_s the L - 1 "
             "valid tokens the reference counts (implementation.md 15); the clean stream runs in "
-            "both rows (section 13) and counts once in the useful FLOPs (MFU)",)})
+            "both rows (section 13) and counts once in the useful FLOPs (MFU); the LM head and loss "
+            "run on the L - 1 valid rows of an example, half of the two rows' noisy rows "
+            "(section 13), spread evenly over the ranks' noisy rows [U]",)})
     if obj == "diffusiongemma":
         p = workload.self_conditioning
         ep = plan.ep if plan is not None else 1
@@ -230,6 +238,12 @@ def batch_rows(workload: Workload, model: ModelSpec) -> Workload:
     if rows == 1:
         return workload
     return workload.model_copy(update={"micro_batch": workload.micro_batch * rows})
+
+
+def recipe_checkpointing(objective: str) -> str | None:
+    """Activation checkpointing an objective's recipe fixes: DFlash2 drafters run without it
+    (implementation.md section 14, "No activation checkpointing in the recipes"); None: free."""
+    return "none" if objective == "dflash2" else None
 
 
 def default_objective(model: ModelSpec) -> str:
