@@ -19,6 +19,11 @@ host shows up directly in the times. Not a timed test; run:
 
     python benchmarks/planner_speed.py [--repeat 3] [--gpus 16,128] [--all] [--model qwen3.5-27b]
     python benchmarks/planner_speed.py --check [--gpus 16]   # pruned == exhaustive (slow)
+    python benchmarks/planner_speed.py --before /path/to/pkg  # before/after, runs interleaved
+
+`--before PATH` runs every row's processes in pairs, one with PYTHONPATH=PATH (a package
+directory holding another `csbp`, e.g. a `git archive` of the commit before a change) and one
+with this checkout, one after the other, so both see the same load on a shared host.
 
 `--all` adds the 1,024-GPU rows (DiffusionGemma's take minutes). `--check` runs, per job, the
 exhaustive search (`keep=None`) and the pruned one (`keep=10`) and asserts the same first 10,
@@ -123,6 +128,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=10, help="ranks reported, as csbp plan --top")
     parser.add_argument("--jobs", type=int, default=None, help="processes per search (default: the usable cores)")
     parser.add_argument("--check", action="store_true", help="pruned search == exhaustive search, per row")
+    parser.add_argument("--before", default=None, metavar="PATH",
+                        help="also time the csbp found on PYTHONPATH=PATH, interleaved")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "GPUS"), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     if args.one:
@@ -142,16 +149,23 @@ def main() -> None:
           f"{'bounds f/q/t':>13}  {'plan min/med/max s':>20}  {'search med s':>12}  goal")
     for gpus in sizes:
         for model in models:
-            runs = []
+            runs, before = [], []
             for _ in range(args.repeat):
-                out = subprocess.run([sys.executable, __file__, "--one", model, str(gpus), *_passed(args)],
-                                     capture_output=True, text=True)
-                if out.returncode:
-                    print(f"{model:>24} {gpus:>5} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
-                    break
-                runs.append(json.loads(out.stdout))
+                for env, into in (((_env(args.before), before),) if args.before else ()) + ((None, runs),):
+                    out = subprocess.run([sys.executable, __file__, "--one", model, str(gpus), *_passed(args)],
+                                         capture_output=True, text=True, env=env)
+                    if out.returncode:
+                        print(f"{model:>24} {gpus:>5} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
+                        break
+                    into.append(json.loads(out.stdout))
             if not runs:
                 continue
+            if before:
+                b = sorted(x["plan_s"] for x in before)
+                print(f"{'(before)':>24} {gpus:>5} {before[0]['candidates']:>6} {before[0]['feasible']:>5} "
+                      f"{before[0]['pruned']:>6} {before[0]['screened']:>5} {before[0]['rescored']:>5} {'-':>13}  "
+                      f"{b[0]:6.2f} {statistics.median(b):6.2f} {b[-1]:6.2f}  "
+                      f"{statistics.median(x['search_s'] for x in before):12.2f}", flush=True)
             r = runs[0]
             plans = sorted(x["plan_s"] for x in runs)
             med = statistics.median(plans)
@@ -165,6 +179,12 @@ def main() -> None:
                   f"{statistics.median(x['search_s'] for x in runs):12.2f}  {verdict}  "
                   f"(load {_load()}; {r['recommended']})", flush=True)
     print(f"load average after: {_load()}")
+
+
+def _env(path: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
 
 
 def _passed(args: argparse.Namespace) -> list[str]:

@@ -16,6 +16,8 @@ from csbp.simulator.plan.plan import Plan
 from csbp.simulator.planner.planner import enumerate_space, memory_misfit, search
 from csbp.simulator.workload.presets import load_model
 from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.planner.floor import floor_bounds
+from csbp.simulator.workload.objectives import as_executed
 from csbp.simulator.workload.workload import Workload
 
 K = 1024
@@ -51,10 +53,32 @@ def test_bounds_are_below_both_engines(name, seq_len, nodes, hardware, every):
         # exact inequalities: the bounds are lowered by a relative 1e-12 for their other order of
         # summation (bounds.py, reason 4), so they hold on every CPU
         assert 0 < quick <= closed and 0 < tight <= closed, cand.label
+        floor = _floor(model, cand, profile)
+        assert floor is None if hardware == "cpu-measured" else 0 < floor <= quick, cand.label
         if cand.plan.bp > 1 and cand.plan.cp > 1 and name == "nemotron-diffusion-8b":
             des = simulate(model, cand.workload, cand.plan, profile, nodes, engine="des",
                            with_trace=False).step_time_s
             assert tight <= closed <= des, cand.label
+
+
+def _floor(model, cand, profile):
+    found = floor_bounds(model, cand.workload, cand.plan, profile,
+                         Layout.build(as_executed(cand.workload, model), cand.plan))
+    return None if found is None else found[cand.workload.checkpointing]
+
+
+@pytest.mark.parametrize("name, seq_len, nodes, hardware, every", JOBS[:-1], ids=[j[0] for j in JOBS[:-1]])
+def test_compute_floor_is_below_the_quick_bound_on_every_fitting_plan(name, seq_len, nodes, hardware, every):
+    """The planner's first rung (simulator/planner/floor.py) never exceeds the quick graph bound,
+    on every fitting candidate (the quick bound is below both engines: above). Exact: the floor
+    prices each op at a rate no op reaches and is lowered by the same 1e-12 (reason 4)."""
+    model, profile = load_model(name), load_profile(hardware)
+    workload = Workload(seq_len=seq_len, objective=default_objective(model))
+    space = enumerate_space(model, workload, nodes * profile.node.gpus_per_node)
+    for cand in space.candidates:
+        if memory_misfit(model, cand, profile) is None:
+            quick = step_time_lower_bound(model, cand.workload, cand.plan, profile, keys_at_home=True)
+            assert 0 < _floor(model, cand, profile) <= quick, cand.label
 
 
 def test_bounds_are_tight_where_compute_dominates():

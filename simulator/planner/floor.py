@@ -1,0 +1,158 @@
+"""A compute floor: the first, cheapest lower bound on a plan's step time, without a step graph.
+
+The planner caps every fitting candidate by it before any graph is built (`planner.screen_pruned`:
+floor, then the quick and the tight graph bound of `bounds.py`, then a simulation, each only for
+candidates that still matter). It costs a few array operations per candidate, against a step
+graph per bound key for the graph bounds.
+
+Per layer kind, once per (model, profile, frozen router): seconds per token of the layer's
+GEMMs forward and backward on one rank at tp = 1, and seconds per attention pair forward and
+backward, each at the best rate the profile lists for that kind of op. Per candidate, per
+representative rank: those terms times the rank's tokens and attention pairs over tp (counts the
+step graph reads itself, cached per layout ownership), times the layers of each kind, plus the
+LM head, per pass; the recompute pass with full checkpointing adds the forward layers again.
+
+Why it is below both engines (and below `bounds.py`'s graph bounds):
+1. Every term is an op of the step graph with at least those FLOPs: a layer's GEMMs
+   (projections, dense MLP, router and routed experts) are linear in the rank's tokens over tp
+   with `ModelSpec.mixer_params` / `dense_ffn_params` / the experts' parameters (`_Builder.
+   mixer_gemms`, `ffn`; K/V projections replicated under TP only add FLOPs); attention is
+   pairs x 4 x head_dim x heads / tp forward and 2.5x that backward, and a call's kernel tiles
+   cover all of its pairs; the LM head is 2 x rows x hidden x vocab / tp, backward the same
+   ratios as `LossOps.loss_backward`.
+2. Each op is priced by `cost.compute_seconds` at an efficiency no higher than the one taken
+   here: the top of the GEMM curve or of any GEMM family the GPU lists; the top of the attention
+   curve times the best kernel factor at any head dimension listed (or 1 where none is), times
+   max(1, masked-tile factor) (partial tiles cost a whole tile over that factor); a per-op
+   overhead is >= 0, the core share <= 1, and an implementation's stretch beside transfers >= 1.
+3. Everything left out only adds time: norms and element-wise work, collectives and waits, the
+   embedding, soft embedding and conditioning, the self-conditioning (canvas) pass, linear
+   attention's core, a drafter's context projections and storage read, the optimizer.
+4. By reason 1 of `bounds.py`, a rank's compute stream lasts at least the sum of its compute
+   ops; the step at least its busiest rank's; lowered by `bounds.ROUNDING_MARGIN`.
+
+Mechanisms added to the step graph later (more ops, waits, copies, padding) only raise the step
+and so keep the floor valid, as long as no op's FLOPs fall below the formulas of point 1 and no
+price rises above the rates of point 2; `tests/test_bounds.py` holds floor <= quick bound on
+every fitting candidate of its jobs and floor <= both engines, and fails loudly otherwise.
+
+Attention priced as dense math (CPU profiles: measured seconds, not curves) has no floor (None):
+the planner starts at the quick bound there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from csbp.simulator.cost.attention_ops import ATTENTION_BACKWARD_FLOP_RATIO
+from csbp.simulator.cost.graph import GEMM_BACKWARD_FLOP_RATIO
+from csbp.simulator.layout import kv_rows, pairs
+from csbp.simulator.layout.layout import Layout
+from csbp.simulator.plan.plan import Plan
+from csbp.simulator.planner.bounds import ROUNDING_MARGIN
+from csbp.simulator.system.hardware import HardwareProfile
+from csbp.simulator.workload.objectives import batch_rows, objective_shape
+from csbp.simulator.workload.spec import ModelSpec
+from csbp.simulator.workload.workload import Workload
+
+GEMM_BACKWARD = GEMM_BACKWARD_FLOP_RATIO  # dgrad + wgrad, as the step graph prices them
+ATTENTION_BACKWARD = ATTENTION_BACKWARD_FLOP_RATIO
+
+
+def top_rates(profile: HardwareProfile) -> tuple[float, float, float] | None:
+    """(GEMM, attention forward, attention backward) FLOP/s no op of that kind is priced above
+    (reason 2), or None where attention is priced as dense math."""
+    gpu = profile.gpu
+    if gpu.dense_attention:
+        return None
+    peak = gpu.peak_tflops * 1e12
+    top = lambda curve: max(y for _, y in curve)  # noqa: E731
+    gemm = max([top(gpu.gemm_efficiency)] + [top(k.efficiency) for k in (gpu.gemm_kernels or {}).values()])
+
+    def kernel(backward: bool) -> float:
+        best = 1.0 if not gpu.attention_kernels else 0.0
+        for k in gpu.attention_kernels.values():
+            for hd in (0, *(k.head_dim_factors or {})):
+                best = max(best, k.factor(backward, hd))
+        return best
+
+    masked = max(1.0, gpu.masked_attention_efficiency_factor)
+    return (peak * gemm,
+            peak * top(gpu.attention_forward_efficiency) * kernel(False) * masked,
+            peak * top(gpu.attention_backward_efficiency) * kernel(True) * masked)
+
+
+_TERMS: dict[tuple, tuple] = {}
+
+
+def kind_terms(model: ModelSpec, profile: HardwareProfile, frozen_router: bool) -> list[tuple] | None:
+    """Per layer kind: (layers of the kind, its window or None, whether it has softmax
+    attention, GEMM seconds per token forward, backward, attention seconds per pair forward,
+    backward), at tp = 1 and one row. Once per (model, profile, frozen router): every candidate
+    of a search reads the same terms."""
+    key = (id(model), id(profile), frozen_router)
+    hit = _TERMS.get(key)
+    if hit is not None and hit[0] is model and hit[1] is profile:
+        return hit[2]
+    rates = top_rates(profile)
+    terms = None
+    if rates is not None:
+        gemm_rate, fwd_rate, bwd_rate = rates
+        terms = []
+        for a, count in model.attention_kinds().items():
+            router = model.hidden * model.moe.n_experts if model.moe else 0
+            params = model.mixer_params(a) + model.dense_ffn_params()
+            if model.moe:
+                params += model.moe.top_k * 3 * model.hidden * model.moe.expert_ffn + router
+            fwd = 2 * params
+            bwd = 2 * (GEMM_BACKWARD * (params - router) + (1.0 if frozen_router else GEMM_BACKWARD) * router)
+            softmax = a.kind != "linear"
+            per_pair = 4 * a.head_dim * a.n_heads if softmax else 0
+            terms.append((count, a.window if a.kind == "sliding" else None, softmax,
+                          fwd / gemm_rate, bwd / gemm_rate, per_pair / fwd_rate,
+                          ATTENTION_BACKWARD * per_pair / bwd_rate))
+    if len(_TERMS) > 64:
+        _TERMS.clear()
+    _TERMS[key] = (model, profile, terms)
+    return terms
+
+
+def compute_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
+                  layout: Layout) -> dict[str, np.ndarray] | None:
+    """Per representative rank, seconds of compute no step of this plan avoids, with
+    checkpointing "full" and "none" (`workload.checkpointing` does not matter); None where the
+    profile prices attention as dense math. `layout`: the plan's, as the step graph gets it."""
+    obj = objective_shape(workload, model, plan)
+    terms = kind_terms(model, profile, obj.frozen_router)
+    if terms is None:
+        return None
+    mb = float(batch_rows(workload, model).micro_batch)  # the batch as the builder sees it
+    tp = plan.tp
+    positions = kv_rows.held(layout, "positions") * mb
+    tokens = positions / tp
+    fwd = np.zeros(layout.size)
+    bwd = np.zeros(layout.size)
+    for count, window, softmax, g_f, g_b, a_f, a_b in terms:
+        fwd += count * tokens * g_f
+        bwd += count * tokens * g_b
+        if softmax:
+            key = ("pairs", window)  # the step graph's own entry (attention_ops), once per ownership
+            if key not in layout.derived:
+                layout.derived[key] = pairs.totals(layout, window)
+            p = layout.derived[key] * mb / tp
+            fwd += count * p * a_f
+            bwd += count * p * a_b
+    rows = positions if obj.clean_loss else kv_rows.held(layout, "noisy") * mb
+    head = 2 * rows * model.hidden * model.vocab / tp / top_rates(profile)[0]
+    head_backward = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD) + obj.head_recompute
+    none = obj.passes * (fwd + bwd + head * (1 + head_backward))
+    return {"none": none, "full": none + obj.passes * fwd}
+
+
+def floor_bounds(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
+                 layout: Layout) -> dict[str, float] | None:
+    """Seconds no engine's step of this plan can undercut, by checkpointing; None: no floor."""
+    busy = compute_floor(model, workload, plan, profile, layout)
+    if busy is None:
+        return None
+    return {ckpt: float(b.max()) * (1 - ROUNDING_MARGIN) if b.size else 0.0 for ckpt, b in busy.items()}
