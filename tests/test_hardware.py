@@ -54,7 +54,8 @@ def test_every_figure_has_a_source(name):
     figures = set(_leaves(p.model_dump(exclude={"sources"})))
     assert figures == set(p.sources)
     families = {f for f in figures if f.startswith("gpu.attention_kernels.")}
-    assert len(families) == 2 * len(p.gpu.attention_kernels)  # both factors of every family
+    head_dims = sum(k.head_dim_factors is not None for k in p.gpu.attention_kernels.values())
+    assert len(families) == 2 * len(p.gpu.attention_kernels) + head_dims  # both factors of every family
     assert len(figures - families) >= 25  # 24 + node.storage_gbs (+ figures added since)
     assert all(s.strip() for s in p.sources.values())
 

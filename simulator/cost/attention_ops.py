@@ -9,6 +9,8 @@ pairs each call computes and which rows move come from the layout. A mixin of th
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from csbp.simulator.layout import kv_rows, pairs
@@ -176,7 +178,7 @@ class AttentionOps:
             full, partial = self.per_rank(counted[0] * per_tile), self.per_rank(counted[1] * per_tile)
         return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(pairs * per_pair),
                        self.per_rank(0), 1, self.per_rank(tile), masked,
-                       self.per_rank(queries * keys * per_pair), kernel, full, partial)
+                       self.per_rank(queries * keys * per_pair), kernel, full, partial, head_dim=a.head_dim)
 
     def kv_comm(self, a: AttentionSpec, phase: Phase, step: int, payload: str | None) -> Comm | None:
         """The K/V (or dK/dV) rows one step of a layout exchange delivers to each rank (counted
@@ -228,7 +230,21 @@ class AttentionOps:
             return min(both, key=lambda w: sum(w.full_tile_flops) + sum(w.partial_tile_flops))
         work = self.cached(("attn", a, pattern, cut, part, backward, kernel, pack),
                            fewer_tiles if pack == "auto" else lambda: work_of(pack))
+        repeat = self.head_dim_repeat(a, kernel)
+        if repeat > 1:  # the kernel's K/V heads repeated first (backward: and dK/dV summed back)
+            keys = split[part][2]
+            copy = self.cached(("kv-repeat", a, pattern, cut, part, backward, repeat), lambda: self.memory_bound(
+                (2 if backward else 1) * (1 + repeat) * keys * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch))
+            deps = (self.add("dkv.repack" if backward else "kv.repeat", phase, li, copy, *deps),)
         return self.add(name, phase, li, work, *deps)
+
+    def head_dim_repeat(self, a: AttentionSpec, kernel: str) -> int:
+        """Times a kernel family repeats each K/V head at this layer's head dim: it packs at most
+        `max_group` query heads per K/V head there (implementation profile `head_dim_copies`)."""
+        for copy in self.impl.head_dim_copies:
+            if copy.head_dim == a.head_dim and (not copy.kernels or kernel in copy.kernels):
+                return math.ceil(max(1, a.n_heads // max(a.n_kv_heads, 1)) / copy.max_group)
+        return 1
 
     def merge(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
         """Combine two partial attention outputs by their LSE (memory-bound, per query row)."""

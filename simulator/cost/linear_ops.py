@@ -36,15 +36,16 @@ def delta_rule_flops_per_token(head_dim_k: int, head_dim_v: int, chunk: int = DE
 class LinearAttentionOps:
     """Linear-attention layers of the step (mixed into the builder)."""
 
-    def ulysses(self, a: AttentionSpec) -> tuple[Comm | None, Comm | None]:
+    def ulysses(self, a: AttentionSpec, rows: str = "clean") -> tuple[Comm | None, Comm | None]:
         """Linear attention under CP/CSBP: sequence->head all-to-all of the clean rows' q, k, v,
-        and back for their output; noisy blocks stay with their owners (`boundary_states`)."""
+        and back for their output; noisy blocks stay with their owners (`boundary_states`),
+        unless the implementation moves them too (`rows="noisy"`, pure CP)."""
         if self.lay.kind not in ("cp", "csbp"):
             return None, None
         n = len(self.cp_sync[0])
         width_in = 2 * a.n_kv_heads * a.head_dim + a.n_heads * a.head_dim
         width_out = a.n_heads * a.head_dim
-        clean = self.tokens - self.noisy
+        clean = self.noisy if rows == "noisy" else self.tokens - self.noisy
         recv = lambda width: clean * width * self.dt / self.tp * (n - 1) / n  # noqa: E731
         return (self.comm("all-to-all", recv(width_in), self.g_cp, "other"),
                 self.comm("all-to-all", recv(width_out), self.g_cp, "other"))
@@ -62,8 +63,9 @@ class LinearAttentionOps:
         if self.lay.kind not in ("cp", "csbp"):
             return None
         n = len(self.cp_sync[0])
-        conv = max(a.conv_kernel - 1, 0) * (2 * a.n_kv_heads + a.n_heads) * a.head_dim * self.dt
-        state = (a.n_heads * a.head_dim * a.head_dim * LINEAR_STATE_BYTES + conv) / self.tp
+        if self.moves_noisy():  # noisy rows head-parallel too: each rank has its heads' states
+            return None
+        state = self.state_bytes(a)
         if self.lay.kind == "cp":  # noisy rows are zigzag shards, not blocks: every boundary
             blocks = np.full(self.n, self.w.n_blocks - 1, dtype=float)
             collective: Collective = "all-gather"
@@ -71,6 +73,24 @@ class LinearAttentionOps:
             blocks = np.array([len(s.noisy_blocks) - (0 in s.noisy_blocks) for s in self.lay.shares], dtype=float)
             collective = "all-to-all"
         return self.comm(collective, blocks * state * self.w.micro_batch * (n - 1) / n, self.g_cp, "other")
+
+    def state_bytes(self, a: AttentionSpec) -> float:
+        """One block boundary's state: heads x dk x dv in the implementation's state dtype, plus
+        the conv's last conv_kernel - 1 inputs in the compute dtype, split over TP by heads."""
+        conv = max(a.conv_kernel - 1, 0) * (2 * a.n_kv_heads + a.n_heads) * a.head_dim * self.dt
+        return (a.n_heads * a.head_dim * a.head_dim * self.impl.linear_attention.state_bytes + conv) / self.tp
+
+    def moves_noisy(self) -> bool:
+        """Pure CP with an implementation that takes the noisy rows head-parallel too."""
+        return self.lay.kind == "cp" and self.impl.linear_attention.cp_moves_noisy
+
+    def states_io(self, a: AttentionSpec) -> Compute | None:
+        """Two passes: the clean pass writes a state at every block boundary of its rows, the
+        noisy pass reads the one each of its blocks starts from (HBM traffic)."""
+        if not self.impl.linear_attention.two_passes:
+            return None
+        blocks = self.tokens / self.w.block_size  # clean boundaries written + noisy starts read
+        return self.memory_bound(blocks * self.state_bytes(a))
 
     def delta_rule(self, a: AttentionSpec, backward: bool, rows: str = "all") -> Compute:
         """Chunked Gated-DeltaNet: FLOPs linear in tokens, run as a fused kernel on chunk tiles,
@@ -80,36 +100,65 @@ class LinearAttentionOps:
         flops = tokens * a.n_heads / self.tp * delta_rule_flops_per_token(a.head_dim, a.head_dim)
         if backward:
             flops = flops * ATTENTION_BACKWARD_FLOP_RATIO
-        return Compute("attention-bwd" if backward else "attention-fwd", self.per_rank(flops),
-                       self.per_rank(0), 1, self.per_rank(DELTA_RULE_CHUNK), False)
+        return Compute("linear-bwd" if backward else "linear-fwd", self.per_rank(flops),
+                       self.per_rank(0), 1, self.per_rank(DELTA_RULE_CHUNK), False,
+                       kernel=self.impl.linear_attention.kernel)
 
     def linear_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
         """Gated-DeltaNet in forward or recompute: under CP/CSBP the clean rows go head-sharded
         through the delta rule, their boundary states travel to the noisy blocks' owners, and
         each noisy block restarts from its state where it lives."""
-        c = self.cached
+        c, f = self.cached, self.impl.linear_attention
         a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+        io = c(("states-io", a), lambda: self.states_io(a))
         if self.lay.kind not in ("cp", "csbp"):
-            return self.add("delta-rule", phase, li, c(("dr", a, False), lambda: self.delta_rule(a, False)), x)
+            if not f.two_passes:
+                return self.add("delta-rule", phase, li, c(("dr", a, False), lambda: self.delta_rule(a, False)), x)
+            x = self.add("delta-rule.clean", phase, li, c(("dr-clean", a, False), lambda: self.delta_rule(
+                a, False, "clean")), x)
+            x = self.add("lin.states-io", phase, li, io, x)
+            return self.add("delta-rule.noisy", phase, li, c(("dr-noisy", a, False), lambda: self.delta_rule(
+                a, False, "noisy")), x)
         x = self.add("lin.a2a-in", phase, li, a2a_in, x)
         clean = self.add("delta-rule.clean", phase, li, c(("dr-clean", a, False), lambda: self.delta_rule(
             a, False, "clean")), x)
         states = self.add("lin.states", phase, li, c(("states", a), lambda: self.boundary_states(a)), clean)
         out = self.add("lin.a2a-out", phase, li, a2a_out, clean)
+        waited = out if f.exchange == "waited" else ()  # a synchronous call blocks the stream
+        states = self.add("lin.states-io", phase, li, io, states, waited)
+        if self.moves_noisy():  # the noisy rows through their own all-to-alls
+            n_in, n_out = c(("ulysses-noisy", a), lambda: self.ulysses(a, "noisy"))
+            states = self.add("lin.a2a-in.noisy", phase, li, n_in, states)
         noisy = self.add("delta-rule.noisy", phase, li, c(("dr-noisy", a, False), lambda: self.delta_rule(
-            a, False, "noisy")), states)
+            a, False, "noisy")), states, waited)
+        if self.moves_noisy():
+            noisy = self.add("lin.a2a-out.noisy", phase, li, n_out, noisy)
         return out + noisy
 
     def linear_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
         """The backward of `linear_forward`: the noisy blocks' state gradients go home to the
         rows that computed the states before the clean rows' backward can finish."""
-        c, ph = self.cached, "backward"
+        c, ph, f = self.cached, "backward", self.impl.linear_attention
         a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+        io = c(("states-io", a), lambda: self.states_io(a))
         if self.lay.kind not in ("cp", "csbp"):
-            return self.add("delta-rule-bwd", ph, li, c(("dr", a, True), lambda: self.delta_rule(a, True)), x)
+            if not f.two_passes:
+                return self.add("delta-rule-bwd", ph, li, c(("dr", a, True), lambda: self.delta_rule(a, True)), x)
+            x = self.add("delta-rule-bwd.noisy", ph, li, c(("dr-noisy", a, True), lambda: self.delta_rule(
+                a, True, "noisy")), x)
+            x = self.add("lin.states-io-bwd", ph, li, io, x)  # state gradients written and read
+            return self.add("delta-rule-bwd.clean", ph, li, c(("dr-clean", a, True), lambda: self.delta_rule(
+                a, True, "clean")), x)
         out = self.add("lin.a2a-out-bwd", ph, li, a2a_out, x)
+        waited = out if f.exchange == "waited" else ()
+        if self.moves_noisy():
+            n_in, n_out = c(("ulysses-noisy", a), lambda: self.ulysses(a, "noisy"))
+            x = self.add("lin.a2a-out-bwd.noisy", ph, li, n_out, x)
         noisy = self.add("delta-rule-bwd.noisy", ph, li, c(("dr-noisy", a, True), lambda: self.delta_rule(
-            a, True, "noisy")), x)
+            a, True, "noisy")), x, waited)
+        if self.moves_noisy():
+            noisy = self.add("lin.a2a-in-bwd.noisy", ph, li, n_in, noisy)
+        noisy = self.add("lin.states-io-bwd", ph, li, io, noisy)
         dstates = self.add("lin.states-bwd", ph, li, c(("dstates", a), lambda: self.state_gradients(a)), noisy)
         clean = self.add("delta-rule-bwd.clean", ph, li, c(("dr-clean", a, True), lambda: self.delta_rule(
             a, True, "clean")), out, dstates)

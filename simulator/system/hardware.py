@@ -87,13 +87,16 @@ class KernelFamily(BaseModel):
 
     forward_factor: Positive  # x the FA3-class forward efficiency
     backward_factor: Positive
-    # per head dim other than the curves' 128: (forward, backward) x the factors above; a head
-    # dim not listed runs at 1 (implementation.md 17: FA3 at 256 forward ~0.98 of 128)
-    head_dim_factors: Annotated[dict[int, tuple[float, float]], FIGURE] = Field(default_factory=dict)
+    # per head dim other than the curves' 128: [head dim, forward, backward] x the factors above;
+    # a head dim not listed runs at 1 (implementation.md 17: FA3 at 256 forward ~0.98 of 128)
+    head_dim_factors: Annotated[tuple[tuple[int, float, float], ...] | None, FIGURE] = None
 
     def factor(self, backward: bool, head_dim: int = 0) -> float:
-        hd = self.head_dim_factors.get(head_dim)
-        return (self.backward_factor if backward else self.forward_factor) * (hd[backward] if hd else 1.0)
+        own = self.backward_factor if backward else self.forward_factor
+        for hd, fwd, bwd in self.head_dim_factors or ():
+            if hd == head_dim:
+                return own * (bwd if backward else fwd)
+        return own
 
 
 class GemmFamily(BaseModel):

@@ -231,7 +231,7 @@ class MoE(BaseModel):
     # nccl, a link's all-to-all family (deepep-normal), or best
     a2a_kernel: Annotated[str, FIGURE] = "nccl"
     dispatch_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None  # None: the step dtype
-    combine_weight_bytes: Annotated[int, Field(ge=0, le=8), FIGURE] = 0  # per routed row and top-k slot
+    weight_bytes: Annotated[int, Field(ge=0, le=8), FIGURE] = 0  # routing weight per routed row, sent with the dispatch
     # the a2a the dense branch runs beside: dispatch (experts wait for it, the combine is waited
     # on after the experts) or combine (dense after the experts, beside the combine)
     dense_overlaps: Annotated[Literal["combine", "dispatch"], FIGURE] = "combine"
@@ -267,6 +267,7 @@ class HeadDimCopy(BaseModel):
     max_group: Annotated[int, Field(gt=0)]
     # backward packs [noisy; clean] K/V repeated into a new buffer plus a gradient buffer as large
     backward_grad_buffer: bool = True
+    kernels: tuple[str, ...] = ()  # kernel families that repeat; empty: every family
 
 
 class Implementation(BaseModel):
