@@ -4,12 +4,16 @@ are reduced over the data-parallel ranks, and the optimizer's own pass. A mixin 
 
 from __future__ import annotations
 
-from csbp.simulator.cost.step_ops import Collective, Compute, Deps, Phase
+from csbp.simulator.cost.step_ops import Collective, Compute, Deps, Group, Phase
+from csbp.simulator.system.implementation import OptimizerPath
 from csbp.simulator.workload.spec import AttentionSpec
 
 # Fused AdamW per parameter: reads fp32 master, m, v and a bf16 grad, writes master, m, v and the
-# bf16 weight: 3*4+2 bytes each way.
+# bf16 weight: 3*4+2 bytes each way (the default profile's `optimizer`, which reproduces it).
 ADAMW_BYTES_PER_PARAM = 28
+MASTER_BYTES = 4
+# mesh axes of each optimizer shard group (implementation.OptimizerPath.shard_group)
+_AXES = {"dp-ctx-ep": ("dp", "ctx", "ep"), "dp-ctx": ("dp", "ctx"), "dp-ctx-tp": ("dp", "ctx", "tp")}
 
 
 class OptimizerOps:
@@ -48,29 +52,115 @@ class OptimizerOps:
         layers = [self.layer_params(a) for a in self.m.layers]
         return sum(d for d, _ in layers) + sum(self.edge_params()), sum(e for _, e in layers)
 
-    def grad_sync(self, layer: int | None, dense: float, expert: float, x: Deps) -> Deps:
-        """Reduce one bucket of gradients over its data-parallel group (ZeRO >= 1: reduce-scatter)."""
-        collective: Collective = "reduce-scatter" if self.w.zero_stage >= 1 else "all-reduce"
+    # -- the optimizer path of the implementation profile (implementation.OptimizerPath) -----
+    @property
+    def opt(self) -> OptimizerPath:
+        """This objective's optimizer path (an objective may run its own, e.g. a drafter)."""
+        return self.cached("opt-path", lambda: self.impl.optimizer.path(self.obj.name))
+
+    def grad_groups(self) -> tuple[Group, int, Group, int]:
+        """(dense group, dense shards, expert group, expert shards): who reduces each kind of
+        gradient and over how many ranks its optimizer state is cut. A shard group of `none`
+        (replicated state) reduces over every rank holding the same weights, cut nowhere."""
+        def make():
+            every = (tuple(range(self.n)),)
+            out = ()
+            for name, replicas in ((self.opt.shard_group, ("dp", "ctx", "ep")),
+                                   (self.opt.expert_shard_group, ("dp", "ctx", "tp"))):
+                sharded = name != "none" and self.w.zero_stage >= 1
+                group = self._group(_AXES[name] if name != "none" else replicas, every)
+                out += (group, group.size if sharded else 1)
+            return out
+        return self.cached("grad-groups", make)
+
+    def reduce_collective(self, shards: int) -> Collective:
+        return self.opt.collective(self.p) if shards > 1 else "all-reduce"
+
+    def bucket_elements(self) -> float:
+        """Elements of one gradient bucket (`largest-parameter`): the largest parameter this
+        rank trains, the embedding (V x h / tp) unless it is frozen (implementation.md 8)."""
+        m = self.m
+        widths = [m.ffn, *(a.n_heads * a.head_dim for a in m.layers)]
+        if not self.obj.frozen_embeddings:
+            widths.append(m.vocab)
+        return max(widths) * m.hidden / self.tp
+
+    def bucket_ready(self, layer: int | None, dense: float, expert: float, x: Deps,
+                     last: bool = False) -> Deps:
+        """Gradients of (dense, expert) parameters just made: reduce them now (per-layer
+        buckets), or add them to the bucket being filled and reduce it when it holds the
+        largest parameter's size (`largest-parameter`); `last`: the backward is over, reduce
+        what is left."""
+        if self.opt.buckets == "layer":
+            return self.grad_sync(layer, dense, expert, x)
+        pending = getattr(self, "_pending", (0.0, 0.0))
+        pending = (pending[0] + dense, pending[1] + expert)
         out: Deps = ()
-        for what, params, group in (("dense", dense, self.g_dense), ("experts", expert, self.g_expert)):
+        if last or sum(pending) >= self.bucket_elements():
+            out = self.grad_sync(layer, *pending, x)
+            pending = (0.0, 0.0)
+        self._pending = pending
+        return out
+
+    def grad_sync(self, layer: int | None, dense: float, expert: float, x: Deps) -> Deps:
+        """Reduce one bucket of gradients over its group: a reduce-scatter onto the shards, or
+        an all-reduce (replicated state, or the profile's fallback under EP); dense gradients
+        of a shard group without the EP peers also all-reduced over EP (implementation.md 8)."""
+        g_dense, n_dense, g_expert, n_expert = self.grad_groups()
+        nbytes = self.opt.bucket_bytes or self.dt
+        out: Deps = ()
+        for what, params, group, shards in (("dense", dense, g_dense, n_dense),
+                                            ("experts", expert, g_expert, n_expert)):
+            collective = self.reduce_collective(shards)
             share = self.ring_share(group) * (2 if collective == "all-reduce" else 1)
-            work = self.cached(("grads", what, params), lambda: self.comm(
-                collective, params * self.dt * share, group, "gradients"))
+            work = self.cached(("grads", what, params, collective), lambda: self.comm(
+                collective, params * nbytes * share, group, "gradients"))
             out += self.add(f"grads.{what}.{collective}", "grad-sync", layer, work, x) if work else ()
+            if what == "dense" and self.opt.ep_dense_all_reduce and self.p.ep > 1 and params:
+                ep = self.cached(("grads", "ep", params), lambda: self.comm(
+                    "all-reduce", params * nbytes * 2 * self.ring_share(self.g_ep), self.g_ep, "gradients"))
+                out += self.add("grads.dense.ep-all-reduce", "grad-sync", layer, ep, x) if ep else ()
         return out
 
     def param_gather(self, name: str, phase: Phase, layer: int | None, dense: float,
                      expert: float, x: Deps) -> Deps:
         """ZeRO: all-gather parameter shards (a layer's for ZeRO-3, all updated ones for 1/2)."""
+        g_dense, n_dense, g_expert, n_expert = self.grad_groups()
         out: Deps = ()
-        for what, params, group in (("dense", dense, self.g_dense), ("experts", expert, self.g_expert)):
+        for what, params, group, shards in (("dense", dense, g_dense, n_dense),
+                                            ("experts", expert, g_expert, n_expert)):
+            if shards <= 1:  # replicated: every rank updated all of it
+                continue
             work = self.cached(("params", what, params), lambda: self.comm(
                 "all-gather", params * self.dt * self.ring_share(group), group, "params"))
             out += self.add(f"{name}.{what}", phase, layer, work, x) if work else ()
         return out
 
-    def optimizer(self) -> Compute:
+    def optimizer_shard(self) -> float:
+        """Parameters this rank's optimizer updates."""
+        _, n_dense, _, n_expert = self.grad_groups()
         dense, expert = self.trained_params()
-        if self.w.zero_stage >= 1:
-            dense, expert = dense / self.g_dense.size, expert / self.g_expert.size
-        return self.memory_bound((dense + expert) * ADAMW_BYTES_PER_PARAM, "optimizer")
+        return dense / n_dense + expert / n_expert
+
+    def optimizer(self) -> Compute:
+        """AdamW over the rank's shard: reads the gradient, reads and writes both moments and
+        the weights (the fp32 master, then the step-dtype copy written; or the weights themselves
+        without a master)."""
+        o, dt = self.opt, self.dt
+        weights = 2 * MASTER_BYTES + dt if o.master and dt < MASTER_BYTES else 2 * dt
+        per_param = dt + 2 * 2 * o.state_bytes + weights  # 28 B: bf16, fp32 master and moments
+        return self.memory_bound(self.optimizer_shard() * per_param, "optimizer")
+
+    def clip_norm(self, x: Deps) -> Deps:
+        """Gradient clipping's global norm: each gradient slice read and copied at
+        `clip_temporary_bytes` (fp64) for its norm, then one scalar all-reduce over the shard
+        group (implementation.md 8); nothing without clipping temporaries."""
+        o = self.opt
+        if not o.clip_temporary_bytes:
+            return x
+        shard = self.optimizer_shard()
+        x = self.add("clip.norm", "optimizer", None, self.memory_bound(
+            shard * (self.dt + 2 * o.clip_temporary_bytes)), x)
+        g_dense = self.grad_groups()[0]
+        return self.add("clip.norm.all-reduce", "optimizer", None, self.comm(
+            "all-reduce", o.clip_temporary_bytes * 2 * self.ring_share(g_dense), g_dense, "other"), x)
