@@ -262,7 +262,7 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     if not eager and impl.loss.kernel == "tiled-ce" and not obj.frozen_embeddings:
         # the reference's tiled kernel (implementation.md 9): one tile's fp32 logits in forward,
         # its backward buffers with the whole weight and input gradients
-        rows = tokens if obj.clean_loss else noisy
+        rows = (tokens if obj.clean_loss else noisy) * obj.loss_row_share  # as loss_ops.loss_rows
         loss, loss_backward = loss_ops.loss_buffers(model, impl.loss, rows.astype(float), dt, tp)
     context = 0.0
     if obj.context_as_kv:

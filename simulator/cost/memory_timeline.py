@@ -645,7 +645,9 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
     all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
     if zero >= 2:
         all_grads = weights.grads
-    tl.at(Moment("backward", "embed-bwd", 0), fixed, {"grads": all_grads, "transient": hid})
+    # the gradient buckets are alive to the end of the backward (implementation.md 8)
+    tl.at(Moment("backward", "embed-bwd", 0), fixed, {"grads": all_grads, "transient": hid},
+          {"grads": weights.bucket if zero >= 2 else 0.0})
     if weights.replicas > 1 and zero < 2:
         # the gradients flattened into one buffer (runtime/plans/dp.py) or DDP's buckets
         tl.at(Moment("grad-sync", "grads.all-reduce"), fixed, {"grads": all_grads, "comm": all_grads})
