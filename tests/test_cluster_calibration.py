@@ -178,7 +178,7 @@ def test_bad_calibration_input_is_one_line_exit_2(monkeypatch, capsys, tmp_path)
 
 # ---- world 2 on gloo, through torchrun ----------------------------------------------------------
 
-def torchrun(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def torchrun(*flags: str, timeout: float = 90) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "-m", "csbp.runtime.training.torchrun", *flags],
                           capture_output=True, text=True, timeout=timeout)
@@ -193,7 +193,7 @@ def calibrated(tmp_path_factory):
     return out, json.loads(done.stdout)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_calibration_writes_a_profile_simulate_accepts(calibrated, capsys):
     from csbp.simulator.commands.cli import main as csbp
 
@@ -211,7 +211,7 @@ def test_calibration_writes_a_profile_simulate_accepts(calibrated, capsys):
     assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_cluster_run_reports_predicted_measured_and_error(calibrated):
     path, _ = calibrated
     done = torchrun("--plan", "cp=2", "--seq-len", "128", "--block-size", "16", "--steps", "1",
@@ -224,3 +224,53 @@ def test_cluster_run_reports_predicted_measured_and_error(calibrated):
     assert len(r["predicted_peak_memory_gib_per_rank"]) == len(r["peak_memory_gib_per_rank"]) == 2
     assert all(e is not None for e in r["peak_memory_error_per_rank"])
     assert r["phase_split"] is None and "CUDA only" in r["phase_split_note"]
+
+
+def test_kernel_events_follow_the_launching_ops_ranges():
+    """torch.profiler's events as kernel_events reads them (CUDA-free stand-ins): a kernel's
+    linked correlation id names the CPU op that launched it; its ranges are that op's parents."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def event(id_, name, start, end, device=DeviceType.CPU, parent=None, linked=0):
+        return NS(id=id_, name=name, time_range=NS(start=start, end=end), device_type=device,
+                  cpu_parent=parent, linked_correlation_id=linked)
+
+    engine = event(1, "autograd::engine::evaluate_function: MmBackward0", 10, 50)
+    mm = event(2, "aten::mm", 12, 20, parent=engine)
+    gemm = event(99, "sm90_gemm", 30, 45, device=DeviceType.CUDA, linked=2)
+    orphan = event(98, "ncclKernel_AllReduce", 60, 80, device=DeviceType.CUDA, linked=7)
+    (k, o) = step_phases.kernel_events(NS(events=lambda: [engine, mm, gemm, orphan]))
+    assert k == KernelEvent("sm90_gemm", 30, 15, (engine.name, "aten::mm"), 12)
+    assert o == KernelEvent("ncclKernel_AllReduce", 60, 20, (), 60)
+
+
+def test_recompute_mark_encloses_only_the_checkpointed_rerun():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                with set_checkpoint_early_stop(False):  # as runtime/models/model.py re-runs blocks
+                    x = checkpoint(b, x, use_reentrant=False)
+            return x
+
+    net = Net()
+    hooks = step_phases.mark_recompute(net)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        net(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    for h in hooks:
+        h.remove()
+    marks = [e for e in prof.events() if e.name == step_phases.RECOMPUTE]
+    assert len(marks) == 2  # one re-run per block, in backward only
+    for m in marks:  # the re-run's forward, not the backward's own matmuls
+        assert [c.name for c in m.cpu_children] == ["aten::linear"]
+        assert m.cpu_parent.cpu_parent.name.startswith(step_phases.BACKWARD_SCOPE)  # inside the
+        # backward node whose saved tensors it recomputes: phase_of checks recompute first
