@@ -23,17 +23,21 @@ class QueryIntervals:
     """The key intervals a rank's queries see, so attention work can be split by where keys live.
 
     Without a window all queries of one block see the same intervals, so they are kept once with
-    a weight (the block's positions among the queries).
+    a weight (the block's positions among the queries). With one, the queries are cut into runs
+    of consecutive positions on which every end of both intervals is constant or rises by one
+    per position (`_WindowRuns`), so counts cost per run, not per position.
     """
 
     def __init__(self, queries: tuple[Span, ...], seq_len: int, block: int,
                  window: int | None = None) -> None:
+        self._runs = None
         if window is None:  # one representative query per (stream, block)
             q, self.weight = _touched_blocks(queries, block)
             q = q * block
         else:
-            q = mask.span_positions(queries)
-            self.weight = np.ones(q.size, dtype=np.int64)
+            self._runs = _WindowRuns(queries, seq_len, block, window)
+            self._total = self._runs.total()
+            return
         self.intervals = mask.visible_intervals(q, seq_len, block, window)
         self._total = int(sum(((z - a) * self.weight).sum() for a, z in self.intervals))
         self._sums: tuple[_RunningSums, _RunningSums] | None = None  # made on the first count
@@ -52,6 +56,8 @@ class QueryIntervals:
         A query interval [a, z) holds min(max(x - a, 0), z - a) keys below x, which is
         (x - a)+ - (x - z)+: a sum over the interval starts below x minus one over the stops.
         """
+        if self._runs is not None:
+            return self._runs.below(np.asarray(x, dtype=np.int64))
         if self._sums is None:
             a = np.concatenate([lo for lo, _ in self.intervals])
             z = np.concatenate([hi for _, hi in self.intervals])
@@ -66,6 +72,8 @@ class QueryIntervals:
         """Pairs whose key lies in `keys`: each query interval [a, z) holds K(z) - K(a) of them,
         K(x) the keys below x (one key set: no need to sort the queries' intervals)."""
         keys = normalize(keys)
+        if self._runs is not None:
+            return self._runs.pairs_with(keys) if keys else 0
         if not keys or self.weight.size == 0:
             return 0
         starts, stops = np.array(keys, dtype=np.int64).T
@@ -86,6 +94,120 @@ class QueryIntervals:
             which, s, e = np.array(spans, dtype=np.int64).T
             np.add.at(out, which, self.below(e) - self.below(s))
         return out
+
+
+class _WindowRuns:
+    """A rank's queries under a window as runs of consecutive positions [q, q + n) on which each
+    end e of both visible intervals (`mask.visible_intervals`) is e0 + slope * k, slope 0 or 1.
+
+    Why the runs are exact: inside one block of one stream, every end is a max / min of a
+    constant and i - W + 1 or i + W (i the query's position in its stream), so it never falls and
+    rises by 0 or 1 per position; its slope changes only where one of those terms overtakes the
+    other, at offsets W - 1 and b - W of a block or at i = W - 1. Cutting the spans there and at
+    block and stream edges leaves runs whose ends rise by 0 at every step or by 1 at every step,
+    which the first and last query show (an end risen by n - 1 over n queries rose by 1 each
+    time; by 0, never); a run where they show anything else is read query by query. Sums over a
+    run are then arithmetic series: O(runs) per count, against O(positions) over every query.
+    Integer arithmetic throughout: the counts are exact."""
+
+    def __init__(self, queries: tuple[Span, ...], seq_len: int, block: int, window: int) -> None:
+        L, b, w = seq_len, block, window
+        offsets = np.array(sorted({o for o in (0, w - 1, b - w) if 0 <= o < b}), dtype=np.int64)
+        firsts = []
+        for s, e in queries:
+            for base in (0, L):  # each stream's part of the span, cut at its own block edges
+                lo, hi = max(s, base), min(e, base + L)
+                if hi <= lo:
+                    continue
+                blocks = base + np.arange((lo - base) // b, (hi - 1 - base) // b + 1, dtype=np.int64) * b
+                cuts = np.concatenate([(blocks[:, None] + offsets[None, :]).ravel(), [lo, base + w - 1]])
+                firsts.append(np.append(np.unique(cuts[(cuts >= lo) & (cuts < hi)]), hi))
+        if not firsts:
+            self.n = np.zeros(0, dtype=np.int64)
+            self.ends = []
+            return
+        q0 = np.concatenate([f[:-1] for f in firsts])
+        n = np.concatenate([np.diff(f) for f in firsts])
+        first = mask.visible_intervals(q0, L, b, w)
+        last = mask.visible_intervals(q0 + n - 1, L, b, w)
+        rises = [hi - lo for f, l in zip(first, last) for lo, hi in zip(f, l)]
+        affine = np.logical_and.reduce([(r == 0) | (r == n - 1) for r in rises])
+        if not affine.all():  # defensive: read such runs query by query (no case found needs it)
+            odd = np.flatnonzero(~affine)
+            single = np.concatenate([np.arange(q0[i], q0[i] + n[i]) for i in odd])
+            q0 = np.concatenate([q0[affine], single])
+            n = np.concatenate([n[affine], np.ones(single.size, dtype=np.int64)])
+            first = mask.visible_intervals(q0, L, b, w)
+            last = mask.visible_intervals(q0 + n - 1, L, b, w)
+        # per interval (own, prefix): (start e0, start slope), (stop e0, stop slope)
+        self.n = n
+        self.ends = [((f[0], _slope(f[0], l[0], n)), (f[1], _slope(f[1], l[1], n))) for f, l in zip(first, last)]
+
+    def total(self) -> int:
+        n, tri = self.n, self.n * (self.n - 1) // 2
+        return int(sum((n * (z0 - a0) + (sz - sa) * tri).sum() for (a0, sa), (z0, sz) in self.ends))
+
+    def _ramp(self, x: np.ndarray, e0: np.ndarray, slope: np.ndarray) -> np.ndarray:
+        """sum over each run's ends e of (x - e)+, summed over runs, for each x."""
+        d = x[None, :] - e0[:, None]
+        n = self.n[:, None]
+        m = np.clip(d, 0, n)
+        rising = m * d - m * (m - 1) // 2
+        flat = n * np.maximum(d, 0)
+        return np.where(slope[:, None] == 1, rising, flat).sum(axis=0)
+
+    def below(self, x: np.ndarray) -> np.ndarray:
+        """G(x): pairs whose key position is < x (`QueryIntervals.below`)."""
+        shape = np.shape(x)
+        x = np.ravel(x)
+        out = np.zeros(x.size, dtype=np.int64)
+        if self.n.size:
+            for (a0, sa), (z0, sz) in self.ends:
+                out += self._ramp(x, a0, sa) - self._ramp(x, z0, sz)
+        return out.reshape(shape)
+
+    def pairs_with(self, keys: tuple[Span, ...]) -> int:
+        """Pairs whose key lies in `keys` (sorted, disjoint): over each run, the keys below its
+        stops minus those below its starts, as sums of K (keys below) or of its prefix sums R."""
+        if not self.n.size:
+            return 0
+        counter = _KeyPrefix(keys)
+        total = 0
+        for ends in self.ends:
+            for sign, (e0, slope) in zip((-1, 1), ends):
+                flat = self.n * counter.below(e0)
+                rising = counter.summed(e0 + self.n) - counter.summed(e0)
+                total += sign * int(np.where(slope == 1, rising, flat).sum())
+        return total
+
+
+def _slope(first: np.ndarray, last: np.ndarray, n: np.ndarray) -> np.ndarray:
+    return ((last - first == n - 1) & (n > 1)).astype(np.int64)
+
+
+class _KeyPrefix:
+    """K(x), the keys of sorted disjoint spans below x, and R(x) = sum of K(y) over y < x."""
+
+    def __init__(self, keys: tuple[Span, ...]) -> None:
+        self.s, self.e = (np.array(v, dtype=np.int64) for v in zip(*keys))
+        size = self.e - self.s
+        self.before = np.concatenate([[0], np.cumsum(size)])
+        # a span [s, e) of size l adds, for x >= e, l(l+1)/2 + (x-1-e) l = x l + (l(l+1)/2 - (1+e) l)
+        self.size = self.before
+        self.const = np.concatenate([[0], np.cumsum(size * (size + 1) // 2 - (1 + self.e) * size)])
+
+    def below(self, x: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(self.s, x, side="right")  # spans starting at or before x
+        last = np.maximum(k - 1, 0)
+        inside = np.where(k > 0, np.minimum(x - self.s[last], self.e[last] - self.s[last]), 0)
+        return self.before[last] * (k > 0) + inside
+
+    def summed(self, x: np.ndarray) -> np.ndarray:
+        done = np.searchsorted(self.e, x, side="right")  # spans with e <= x
+        out = x * self.size[done] + self.const[done]
+        j = np.minimum(done, self.s.size - 1)
+        t = np.where((done < self.s.size) & (x > self.s[j]), x - self.s[j], 0)  # the span x is inside
+        return out + t * (t - 1) // 2
 
 
 class _RunningSums:

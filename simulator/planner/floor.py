@@ -24,7 +24,8 @@ Why it is below both engines (and below `bounds.py`'s graph bounds):
    here: the top of the GEMM curve or of any GEMM family the GPU lists; the top of the attention
    curve times the best kernel factor at any head dimension listed (or 1 where none is), times
    max(1, masked-tile factor) (partial tiles cost a whole tile over that factor); a per-op
-   overhead is >= 0, the core share <= 1, and an implementation's stretch beside transfers >= 1.
+   overhead is >= 0, a rank's share of a shared host's speed at most 1 (or the largest share
+   measured), and an implementation's stretch beside transfers >= 1.
 3. Everything left out only adds time: norms and element-wise work, collectives and waits, the
    embedding, soft embedding and conditioning, the self-conditioning (canvas) pass, linear
    attention's core, a drafter's context projections and storage read, the optimizer.
@@ -77,6 +78,8 @@ def top_rates(profile: HardwareProfile) -> tuple[float, float, float] | None:
         return best
 
     masked = max(1.0, gpu.masked_attention_efficiency_factor)
+    # ranks sharing a host run at a share of one rank's speed: measured shares above 1 count
+    peak *= max([1.0] + [y for curve in (profile.node.rank_speed or {}).values() for _, y in curve])
     return (peak * gemm,
             peak * top(gpu.attention_forward_efficiency) * kernel(False) * masked,
             peak * top(gpu.attention_backward_efficiency) * kernel(True) * masked)
