@@ -274,3 +274,10 @@ def test_recompute_mark_encloses_only_the_checkpointed_rerun():
         assert [c.name for c in m.cpu_children] == ["aten::linear"]
         assert m.cpu_parent.cpu_parent.name.startswith(step_phases.BACKWARD_SCOPE)  # inside the
         # backward node whose saved tensors it recomputes: phase_of checks recompute first
+
+
+def test_a_level_the_base_lacks_must_be_measured_whole():
+    ring = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # no send/recv across
+    samples = synthetic("striped", "infiniband", 2, 1, ring)
+    with pytest.raises(InputError, match="infiniband: the measurement gave no p2p_latency_us, p2p_gbs"):
+        cluster_profile.build("cpu-measured", "c", measurement(samples, 2, 1), "torchrun x")

@@ -19,10 +19,12 @@ from csbp.runtime.calibration.collective_fit import non_decreasing
 from csbp.runtime.calibration.fit_figures import figure, rounded
 from csbp.runtime.calibration.host_identity import this_host
 from csbp.runtime.calibration.link_fit import LevelFit, Sample, fit_level
-from csbp.simulator.system.hardware import PROFILE_DIR
+from csbp.simulator.errors import InputError
+from csbp.simulator.system.hardware import PROFILE_DIR, Link
 from csbp.simulator.system.profile_files import read_mapping
 
 LEVELS = ("nvlink", "infiniband")
+REQUIRED = [name for name, f in Link.model_fields.items() if f.is_required()]
 
 
 def copied(node, note: str):
@@ -72,10 +74,11 @@ def build(base: str, name: str, m: dict, command: str) -> tuple[dict, dict[str, 
         link = dict(out["links"].get(level) or {})
         link.pop("call_seconds", None)  # another method's or host's table must not price this one
         link.update(fit.figures)
-        missing = [f for f in fit.skipped if f not in link]
+        missing = [f for f in fit.skipped if f not in link and f in REQUIRED]
         if missing:
-            raise ValueError(f"{level}: the measurement gave no {', '.join(missing)} and the base "
-                             f"profile {base_name} has none to copy")
+            raise InputError(f"{level}: the measurement gave no {', '.join(missing)} and the base "
+                             f"profile {base_name} has none to copy: give a --hardware base with "
+                             f"an {level} link")
         skipped += [f"{level}.{f}: not measured (kept the base's)" for f in fit.skipped]
         out["links"][level] = link
     table = call_table(m["samples"], where)

@@ -131,18 +131,21 @@ def fit_level(samples: list[Sample], level: str, where: str) -> LevelFit:
         pts = by[key]
         lat = latency if op in ("send_recv", "all_to_all") else call + pts[0].steps * max(step, 0.0)
         bound = [s.received / (s.seconds - lat) for s in pts if s.seconds - lat >= 0.5 * s.seconds]
-        fitted = alphas[key][1]
-        bandwidth = max(bound) if bound else fitted
-        if bandwidth is None:
-            skipped.append(BANDWIDTH_FIELDS[op])
-            continue
-        per = pts[0].per_node if level == "infiniband" else 1  # a spanning ring: NICs of a node
         largest = max(pts, key=lambda s: s.n_bytes)
+        fitted = alphas[key][1]
+        if bound:
+            bandwidth, how = max(bound), ("best bytes received / (time - latency) over the sizes "
+                                          "where latency is at most half the time")
+        elif fitted is not None:
+            bandwidth, how = fitted, "the least-squares slope (no size was bandwidth-bound)"
+        else:  # noise put the slope at or below zero: the largest call's average rate, a floor
+            bandwidth, how = (largest.received / largest.seconds,
+                              "bytes received / time of the largest size, latency not taken off "
+                              "(the fit's slope was not positive: noisy timings)")
+        per = pts[0].per_node if level == "infiniband" else 1  # a spanning ring: NICs of a node
         figures[BANDWIDTH_FIELDS[op]] = figure(rounded(bandwidth / per / 1e9), (
             f"{where}: {op} in {key[0]} (n={pts[0].size}, {pts[0].per_node} per node), "
-            f"{largest.n_bytes / MIB:g} MiB in {largest.seconds * 1e6:.0f} us; best bytes received "
-            "/ (time - latency) over the sizes where latency is at most half the time"
-            + (" (none: the least-squares slope)" if not bound else "")))
+            f"{largest.n_bytes / MIB:g} MiB in {largest.seconds * 1e6:.0f} us; {how}"))
         for s in pts:
             if s.seconds > lat:
                 efficiency.append((curve_x(s), s.received / bandwidth / (s.seconds - lat)))
