@@ -51,6 +51,17 @@ def test_fit_keeps_the_measured_curve(host):
     assert host.sources["node.rank_speed"].startswith("measured")
 
 
+def test_written_profile_loads_the_curves_back(tmp_path):
+    import yaml
+
+    path = tmp_path / "sharing.yaml"
+    raw = fit_profile(_sharing_measurements(), "synthetic")
+    path.write_text(yaml.safe_dump(raw, sort_keys=False, width=100, default_flow_style=None))
+    p = load_profile(str(path))  # as `csbp calibrate` writes it: int keys and [R, speed] pairs
+    assert p.node.rank_speed == HardwareProfile.model_validate(raw).node.rank_speed
+    assert sorted(p.node.rank_wakeup_us) == [2, 4]
+
+
 @pytest.mark.floats
 def test_a_saturating_curve_is_used_as_measured_not_as_cores_over_ranks(host):
     node = host.node
@@ -133,12 +144,33 @@ def test_whole_step_check_prices_the_step_with_ranks_at_once(host):
     assert rows[0]["predicted_s"] < rows[1]["predicted_s"] < rows[2]["predicted_s"]
 
 
-@pytest.mark.timeout(180)
-def test_rank_speed_benchmark_runs():
-    from csbp.runtime.calibration.rank_sharing import OP_CLASSES, rank_speeds
+@pytest.mark.timeout(240)
+def test_sharing_benchmark_runs():
+    from csbp.runtime.calibration.rank_sharing import OP_CLASSES, measure_sharing
 
-    got = rank_speeds(2, seconds=0.2, timeout_s=150)
-    assert len(got) == 2
-    for rank in got:
-        assert set(rank["calls_per_s"]) == set(OP_CLASSES) and all(v > 0 for v in rank["calls_per_s"].values())
-        assert rank["flop_per_call"]["gemm"] > 0
+    got = measure_sharing(2, seconds=0.1, repeats=1, timeout_s=200)
+    assert sorted(got.rates) == [1, 2]
+    assert all(len(got.rates[busy][c]) == busy and min(got.rates[busy][c]) > 0
+               for busy in (1, 2) for c in OP_CLASSES)
+    assert sorted(got.pair_calls) == [2] and got.baseline_rss_bytes > 0
+
+
+def test_calibrate_writes_the_curves_and_prints_the_step_check(tmp_path, monkeypatch, capsys):
+    """The command end to end on synthetic measurements: the profile it writes carries the
+    curves, and the summary sets the step with R processes at once beside its price."""
+    import json
+
+    from csbp.runtime.calibration import calibrate
+    from csbp.simulator.commands.cli import main
+
+    m = _sharing_measurements()
+    m.step_load, m.probe = {2: 0.2, 4: 0.5}, (0.1, 0.1)
+    monkeypatch.setattr(calibrate, "measure", lambda quick, step: m)
+    out = tmp_path / "sharing.yaml"
+    assert main(["calibrate", "--out", str(out), "--name", "sharing"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "R = 2 200 /" in text and "R = 4 500 /" in text
+    assert load_profile(str(out)).node.rank_speed is not None
+    assert main(["calibrate", "--out", str(out), "--name", "sharing", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["ranks"] for r in got["sharing_check"]] == [1, 2, 4]

@@ -53,7 +53,7 @@ class Measurements:
     copy: tuple[int, float]  # (bytes read + written, seconds)
     layer_elementwise: list[tuple[int, float]]  # (tokens, seconds of a layer's memory-bound ops)
     op_overhead_s: float
-    gemm_load: dict[int, list[float]]  # processes -> FLOP/s each got
+    gemm_load: dict[int, list[float]]  # processes -> FLOP/s each got (nn.Linear fwd + bwd)
     collectives: dict[int, dict[tuple[str, int], float]]  # world -> (op, bytes) -> seconds
     notes: list[str] = field(default_factory=list)
     # nn.Linear as the runtime trains it: (m, k, n, forward s, backward s)
@@ -94,7 +94,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     import torch
 
     from csbp.runtime.calibration import microbench as mb
-    from csbp.runtime.calibration.rank_sharing import pair_call_seconds, rank_speeds
+    from csbp.runtime.calibration.rank_sharing import GEMM_FLOP, measure_sharing
     from csbp.runtime.memory.allocator import keep_freed_memory
     from csbp.runtime.calibration.one_process_graph import step_kernels
 
@@ -131,14 +131,10 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     tiny = mb.tiny_step_seconds(tiny_spec(), TINY_SEQ, TINY_SEQ, steps=10 if quick else 30)
     optimizer = mb.optimizer_seconds(spec)
     step("core sharing")
-    rank_rates, gemm_load, rss, window = {}, {}, 0, 0.4 if quick else 1.0
-    for procs in range(1, max(PLANS) + 1):  # 1..the largest world csbp validate runs
-        results = rank_speeds(procs, seconds=window)
-        rank_rates[procs] = {c: [r["calls_per_s"][c] for r in results] for c in results[0]["calls_per_s"]}
-        gemm_load[procs] = [r["calls_per_s"]["gemm"] * r["flop_per_call"]["gemm"] for r in results]
-        rss = max(rss, *(r["baseline_rss_bytes"] for r in results))
-    pair_calls = {world: pair_call_seconds(world, repeats=3 if quick else 5)
-                  for world in sorted(PLANS) if world % 2 == 0}
+    window = 0.4 if quick else 1.0
+    # 1..the largest world csbp validate runs
+    sharing = measure_sharing(max(PLANS), seconds=window, repeats=3 if quick else 5)
+    gemm_load = {busy: [rate * GEMM_FLOP for rate in rates["gemm"]] for busy, rates in sharing.rates.items()}
     cpus = identity.cpus
     step_load = {procs: mb.step_seconds_under_load(procs, seconds=1.0 if quick else 4.0)
                  for procs in (cpus, 2 * cpus)}
@@ -151,10 +147,10 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     return Measurements(
         identity=identity, load=f"{load_before} -> {loadavg()}", threads=threads,
         memory_bytes=mem_total(),
-        baseline_rss_bytes=rss, gemm=gemm, attention=attention, masked_attention=masked,
+        baseline_rss_bytes=sharing.baseline_rss_bytes, gemm=gemm, attention=attention, masked_attention=masked,
         copy=copy, layer_elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
         collectives=collectives, linear=linear, dense_attention=dense,
         tiny_step=(tiny, step_kernels(tiny_spec(), TINY_SEQ)), optimizer=optimizer,
         step_load=step_load, score_copies=score_copies, probe=(probe_start, mb.probe_step_seconds()),
-        rank_rates=rank_rates, pair_calls=pair_calls, rank_window_s=window,
+        rank_rates=sharing.rates, pair_calls=sharing.pair_calls, rank_window_s=window,
         notes=["Quick calibration: fewer sizes and repeats."] if quick else [])

@@ -15,6 +15,10 @@ closes, so all R stay busy for all of it.
 The wake-ups: a small group's collective call in a loop of compute (as `microbench._collectives`
 times calls), with 2 and with 4 ranks on the host, every pair of ranks a group: what the call
 adds with more ranks waiting for a core.
+
+All of it runs in one set of processes (as many as the most ranks measured): ranks not among
+the R busy ones wait in a gloo barrier, which sleeps, so one start-up (torch import, gloo) serves
+every R instead of one per R.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ OP_CLASSES = ("gemm", "memory", "attention", "host")
 # The shapes: one rank's share of the validation model's steps (2L = 1024-2048 positions over 2-4
 # ranks: 256-1024 tokens), each class as the calibration fitted its alone figures on it.
 GEMM_SHAPE = (1024, 256, 768)  # tokens x hidden x ffn: an nn.Linear forward + backward
+GEMM_FLOP = 3 * 2.0 * GEMM_SHAPE[0] * GEMM_SHAPE[1] * GEMM_SHAPE[2]  # forward + 2 backward GEMMs
 ELEMENTWISE_TOKENS = 1024
 ATTENTION_CALL = (512, 256)  # L, queries against all 2L keys, BD3-LM mask (spread queries)
 WAKEUP_BYTES = 4096  # latency-bound: what is measured is the wake-up, not the wire
@@ -42,17 +47,29 @@ WAKEUP_BYTES = 4096  # latency-bound: what is measured is the wake-up, not the w
 
 @dataclass(frozen=True)
 class SharingJob:
-    kind: str  # "rank-speed" | "wakeup"
-    world: int
+    kind: str  # "sharing"
+    world: int  # processes started: the most ranks measured at once
     port: int
-    seconds: float = 1.0  # rank-speed: the window per class
-    repeats: int = 5  # wakeup: interleaved loops with and without the call
-    calls: int = 8  # wakeup: calls per loop
+    seconds: float = 1.0  # the window per op class and rank count
+    repeats: int = 5  # wake-ups: interleaved loops with and without the call
+    calls: int = 8  # wake-ups: calls per loop
+    pair_worlds: tuple[int, ...] = (2, 4)  # ranks on the host for the pairs' calls
 
 
-def class_steps() -> dict[str, tuple[Callable[[], object], bool, float]]:
-    """Per op class: (one call, run it cold (after `evict_caches`, as the calibration's alone
-    figures were), FLOP of one call (0: not arithmetic))."""
+@dataclass
+class Sharing:
+    """What one run measured: ranks busy -> op class -> each busy rank's calls per second;
+    ranks on the host -> seconds a pair's call adds; the workers' resident set after importing
+    torch."""
+
+    rates: dict[int, dict[str, list[float]]]
+    pair_calls: dict[int, float]
+    baseline_rss_bytes: int
+
+
+def class_steps() -> dict[str, tuple[Callable[[], object], bool]]:
+    """Per op class: (one call, run it cold: after `evict_caches`, as the calibration's alone
+    figures were)."""
     from csbp.runtime.calibration.calibration_measurements import TINY_SEQ, tiny_spec
     from csbp.runtime.training.train import Job, Trainer
     from csbp.runtime.validation.validation_suite import BLOCK, VALIDATION_MODEL
@@ -70,29 +87,29 @@ def class_steps() -> dict[str, tuple[Callable[[], object], bool, float]]:
     _, attention, _ = mb.bd3lm_call(VALIDATION_MODEL, L, BLOCK, queries, "spread")
     tiny = Workload(seq_len=TINY_SEQ, block_size=TINY_SEQ, dtype="fp32", zero_stage=0)
     trainer = Trainer(Job(tiny_spec(), tiny, Plan()), 0, torch.device("cpu"))
-    return {"gemm": (linear, True, 3 * 2.0 * m * k * n),
-            "memory": (mb.layer_elementwise_step(VALIDATION_MODEL, ELEMENTWISE_TOKENS), True, 0.0),
-            "attention": (attention, True, 0.0),
-            "host": (lambda: trainer.step(0), False, 0.0)}
+    return {"gemm": (linear, True),
+            "memory": (mb.layer_elementwise_step(VALIDATION_MODEL, ELEMENTWISE_TOKENS), True),
+            "attention": (attention, True),
+            "host": (lambda: trainer.step(0), False)}
 
 
 def calls_per_second(fn: Callable[[], object], cold: bool, until: float) -> float:
     """Calls per second of `fn` counting only calls that start and end before `until`
-    (perf_counter); the rank keeps calling until then, so it stays busy for the whole window."""
-    spent, calls = 0.0, 0
+    (perf_counter); the rank keeps calling until then, so it stays busy for the whole window.
+    A window shorter than one call (a very busy host) falls back on that one call's time."""
+    spent, calls, first = 0.0, 0, None
     while True:
         if cold:
             mb.evict_caches()
         begin = time.perf_counter()
-        if begin >= until:
+        if begin >= until and first is not None:
             break
         fn()
         end = time.perf_counter()
+        first = first or end - begin
         if end <= until:
             spent, calls = spent + end - begin, calls + 1
-    if calls == 0:
-        raise RuntimeError(f"no call finished inside the {until:.1f} s window: lengthen it")
-    return calls / spent
+    return calls / spent if calls else 1.0 / first
 
 
 def _start(rank: int, job: SharingJob) -> None:
@@ -103,68 +120,76 @@ def _start(rank: int, job: SharingJob) -> None:
                             world_size=job.world)
 
 
-def _speed_worker(rank: int, job: SharingJob, queue) -> None:
-    try:
-        rss = resident_high_water()  # after importing torch, before any model
-        _start(rank, job)
-        try:
-            steps = class_steps()
-            for fn, _, _ in steps.values():
-                fn()  # warm-up: allocation, autograd graph
-            rates, flop = {}, {}
-            for name, (fn, cold, f) in steps.items():
-                dist.barrier()  # every rank starts the class together
-                rates[name] = calls_per_second(fn, cold, time.perf_counter() + job.seconds)
-                flop[name] = f
+def _speeds(rank: int, job: SharingJob) -> dict[int, dict[str, float]]:
+    """This rank's calls per second of each class with R = 1..world ranks busy; a rank not among
+    the R waits in the barrier (gloo's barrier sleeps: measured 3 ms of CPU over a 3 s wait)."""
+    steps = class_steps()
+    for fn, _ in steps.values():
+        fn()  # warm-up: allocation, autograd graph
+    out: dict[int, dict[str, float]] = {}
+    for busy in range(1, job.world + 1):
+        for name, (fn, cold) in steps.items():
+            dist.barrier()  # the busy ranks start the class together
+            if rank < busy:
+                out.setdefault(busy, {})[name] = calls_per_second(fn, cold, time.perf_counter() + job.seconds)
+    dist.barrier()
+    return out
+
+
+def _pair_calls(rank: int, job: SharingJob) -> dict[int, float]:
+    """Per ranks on the host: the seconds a pair's small all-reduce adds to a loop of compute
+    (rank 0's view; the loops end in a barrier, so every rank sees the same time)."""
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, job.world - 1, 2)]  # every rank makes every group
+    group = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    buf = torch.ones(WAKEUP_BYTES // 4)
+    a = torch.randn(512, 512)
+    out = {}
+    for on_host in job.pair_worlds:
+        here = rank < on_host
+        per_gemm = mb.median_time(lambda: a @ a, 20, warmup=3) if here else 0.0  # shared cores
+        probe = torch.tensor([per_gemm])
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+        gemms = max(1, round(mb.GAP_S / float(probe)))
+
+        def loop(call: bool) -> float:
             dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, {"calls_per_s": rates, "flop_per_call": flop, "baseline_rss_bytes": rss}))
-    except Exception as err:  # reported to the parent, which fails the calibration
-        queue.put((rank, f"{type(err).__name__}: {err}"))
-
-
-def rank_speeds(procs: int, seconds: float = 1.0, timeout_s: float = 180.0) -> list[dict]:
-    """Per process of `procs` running each op class at once: {calls_per_s: {class: rate},
-    flop_per_call, baseline_rss_bytes}."""
-    job = SharingJob("rank-speed", procs, mb._free_port(), seconds=seconds)
-    return mb._run_workers(job, timeout_s, target=_speed_worker)
-
-
-def _wakeup_worker(rank: int, job: SharingJob, queue) -> None:
-    try:
-        _start(rank, job)
-        try:
-            pairs = [dist.new_group([r, r + 1]) for r in range(0, job.world - 1, 2)]  # every rank makes every group
-            group = pairs[rank // 2] if rank // 2 < len(pairs) else None
-            buf = torch.ones(WAKEUP_BYTES // 4)
-            a = torch.randn(512, 512)
-            probe = torch.tensor([mb.median_time(lambda: a @ a, 20, warmup=3)])  # at once: shared cores
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-            gemms = max(1, round(mb.GAP_S / float(probe)))
-
-            def loop(call: bool) -> float:
-                dist.barrier()
-                start = time.perf_counter()
+            start = time.perf_counter()
+            if here:
                 for _ in range(job.calls):
                     for _ in range(gemms):
                         a @ a
                     if call and group is not None:
                         dist.all_reduce(buf, group=group)
-                dist.barrier()
-                return time.perf_counter() - start
+            dist.barrier()
+            return time.perf_counter() - start
 
-            loop(True)  # warm-up: connections
-            pairs_timed = [(loop(True), loop(False)) for _ in range(job.repeats)]
+        loop(True)  # warm-up: connections
+        timed = [(loop(True), loop(False)) for _ in range(job.repeats)]
+        out[on_host] = statistics.median(w - wo for w, wo in timed) / job.calls
+    return out
+
+
+def _worker(rank: int, job: SharingJob, queue) -> None:
+    try:
+        rss = resident_high_water()  # after importing torch, before any model
+        _start(rank, job)
+        try:
+            payload = {"rates": _speeds(rank, job), "pair_calls": _pair_calls(rank, job),
+                       "baseline_rss_bytes": rss}
         finally:
             dist.destroy_process_group()
-        queue.put((rank, statistics.median(w - wo for w, wo in pairs_timed) / job.calls))
-    except Exception as err:
+        queue.put((rank, payload))
+    except Exception as err:  # reported to the parent, which fails the calibration
         queue.put((rank, f"{type(err).__name__}: {err}"))
 
 
-def pair_call_seconds(world: int, repeats: int = 5, calls: int = 8, timeout_s: float = 180.0) -> float:
-    """Seconds a 4 KiB all-reduce over a pair of ranks adds to a loop of `microbench.GAP_S` of
-    compute per call, with `world` ranks on the host (every pair a group), as rank 0 saw it."""
-    job = SharingJob("wakeup", world, mb._free_port(), repeats=repeats, calls=calls)
-    return mb._run_workers(job, timeout_s, target=_wakeup_worker)[0]
+def measure_sharing(most: int, seconds: float = 1.0, repeats: int = 5,
+                    timeout_s: float = 300.0) -> Sharing:
+    """Every op class with 1..`most` ranks busy at once, and a pair's call with each even number
+    of ranks up to `most` on the host, in one set of `most` spawned processes."""
+    job = SharingJob("sharing", most, mb._free_port(), seconds=seconds, repeats=repeats,
+                     pair_worlds=tuple(w for w in range(2, most + 1, 2)))
+    results = mb._run_workers(job, timeout_s, target=_worker)
+    rates = {busy: {c: [results[r]["rates"][busy][c] for r in range(busy)] for c in OP_CLASSES}
+             for busy in range(1, most + 1)}
+    return Sharing(rates, results[0]["pair_calls"], max(r["baseline_rss_bytes"] for r in results))
