@@ -8,8 +8,10 @@ the reason recorded when the budget (`--budget-s`) could not take it:
 
 1. environment: device, torch, CUDA, memory;
 2. microbenchmarks (`kernel_bench`): GEMMs over the model's projections, HBM copy / elementwise /
-   launch, attention per kernel family (SDPA flash, cuDNN, efficient; FlexAttention compiled;
-   FA3 / FA4 if importable), forward and backward, head dim 128 and 256;
+   launch, MoE grouped GEMM (F.grouped_mm at DiffusionGemma's expert shapes), the Gated-DeltaNet
+   chunked delta rule (flash-linear-attention, if importable), attention per kernel family (SDPA
+   flash, cuDNN, efficient; FlexAttention compiled; FA3 / FA4 if importable), forward and
+   backward, head dim 128 and 256;
 3. the measured profile (`measured_profile`), checked with the simulator's loader;
 4. emulations: `csbp run --emulate-rank` of the heaviest rank of a CP plan and of a CSBP plan at
    each context length (subprocesses with a timeout each), priced on the measured profile;
@@ -359,6 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     timed("gemm", lambda: {"points": len(_extend(points, kb.gemm_points(s.shapes, device, budget,
                                                                          peak)))})
     timed("memory", lambda: {"points": len(_extend(points, kb.memory_points(s.shapes, device)))})
+    # issue 23's kernel families: MoE grouped GEMM at DiffusionGemma's expert shapes, the
+    # Gated-DeltaNet chunked delta rule (flash-linear-attention, if importable); head dim 256
+    # of every attention family is in the attention step
+    timed("grouped-gemm", lambda: {"points": len(_extend(points, kb.grouped_mm_points(
+        s.shapes, device, budget)))})
+    timed("linear-attention", lambda: {"points": len(_extend(points, kb.linear_points(
+        s.shapes, device, budget)))})
     timed("attention", lambda: {"points": len(_extend(points, kb.attention_points(
         s.shapes, device, budget, reserve, s.flex_cap_s)))})
     if device.type == "cuda":

@@ -22,6 +22,11 @@ import torch
 import torch.nn.functional as F
 
 HIDDEN, HEADS, HEAD_DIM, KV_HEADS, FFN, VOCAB = 4096, 32, 128, 8, 14336, 131072  # Nemotron 8B
+# DiffusionGemma-26B-A4B's experts (simulator/workload/presets.py): hidden 2816, expert width 704,
+# top-8 of 128 experts; 64 local experts at ep = 2. Widths around 704 give the curve its slope.
+MOE_HIDDEN, MOE_WIDTHS, MOE_TOP_K, MOE_LOCAL_EXPERTS = 2816, (512, 704, 768), 8, 64
+# Qwen3.5/3.8's Gated-DeltaNet layers: 48 value heads (q, k repeated to them) of 128, chunk 64
+GDN_HEADS, GDN_HEAD_DIM, GDN_CHUNK = 48, 128, 64
 BACKWARD_RATIO = 2.5  # attention backward / forward FLOP, as simulator/cost/graph.py prices it
 
 
@@ -107,6 +112,20 @@ class Shapes:
                    head_dims=(128, 256), memory_elements=2**29, repeats=10, warmup=3,
                    dtype=torch.bfloat16)
 
+    @property
+    def moe(self) -> tuple[int, tuple[int, ...], int, int]:
+        """(hidden, expert widths, local experts, tokens) of the grouped-GEMM points."""
+        if self.dtype == torch.bfloat16:
+            return MOE_HIDDEN, MOE_WIDTHS, MOE_LOCAL_EXPERTS, 32768
+        return 32, (16, 32), 2, 16
+
+    @property
+    def gdn(self) -> tuple[int, int, int, int]:
+        """(value heads, head dim, tokens, noisy block) of the delta-rule points."""
+        if self.dtype == torch.bfloat16:
+            return GDN_HEADS, GDN_HEAD_DIM, 32768, 256
+        return 2, 16, 256, 64
+
     @classmethod
     def tiny(cls) -> "Shapes":
         return cls(tokens=(64, 256), gemms=((128, 128), (128, 512)), tiles=(32, 128),
@@ -149,6 +168,135 @@ def memory_points(shapes: Shapes, device: torch.device) -> list[Point]:
             Point("memory", "silu(x)*y", "elementwise", f"{n}", swiglu, 0, None,
                   size=3 * nbytes / swiglu / 1e9, note="GB/s (2 reads, 1 write) in size"),
             Point("memory", "add_", "launch", "8", launch, 0, None, note="seconds per tiny kernel")]
+
+
+# ---- grouped GEMM (MoE experts) -------------------------------------------------------------------
+def _grouped_mm():
+    """torch's grouped GEMM over jagged groups (F.grouped_mm, or torch._grouped_mm before it)."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return None, f"no F.grouped_mm / torch._grouped_mm in torch {torch.__version__}"
+    return fn, "F.grouped_mm" if fn is getattr(F, "grouped_mm", None) else "torch._grouped_mm"
+
+
+def grouped_mm_points(shapes: Shapes, device: torch.device, budget: Budget) -> list[Point]:
+    """The routed experts as the reference runs them (implementation.md 11): one grouped GEMM
+    for gate+up ([rows, h] x [E, h, 2I]) and one for down ([rows, I] x [E, I, h]) over rows
+    grouped by expert in equal groups (balanced routing), forward and backward, bf16, at each
+    expert width I; `size` is I, the x of the profile's `gemm_kernels.grouped-mm` curve."""
+    fn, label = _grouped_mm()
+    hidden, widths, experts, tokens = shapes.moe
+    rows = tokens * MOE_TOP_K // experts * experts  # routed rows arriving, equal groups
+    out = []
+    for width in widths:
+        shape = f"E{experts} rows{rows} h{hidden} I{width}"
+        flop = 2.0 * rows * hidden * 2 * width + 2.0 * rows * width * hidden
+        for backward in (False, True):
+            direction = "bwd" if backward else "fwd"
+            if fn is None or not budget.allows(5):
+                out.append(Point("grouped-gemm", "grouped-mm", direction, shape, None, flop, None,
+                                 "unavailable: " + label if fn is None else "skipped: budget",
+                                 size=width))
+                continue
+            try:
+                offs = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * (rows // experts)
+                dt = torch.bfloat16  # the kernel's dtype (fp32 has no backward on every backend)
+                x = torch.randn(rows, hidden, device=device, dtype=dt, requires_grad=backward)
+                up = torch.randn(experts, 2 * width, hidden, device=device, dtype=dt, requires_grad=backward)
+                down = torch.randn(experts, hidden, width, device=device, dtype=dt, requires_grad=backward)
+
+                def forward():
+                    h = fn(x, up.transpose(-2, -1), offs=offs)  # weights stored [E, N, K]
+                    g, u = h.chunk(2, dim=-1)
+                    return fn((F.gelu(g) * u).contiguous(), down.transpose(-2, -1), offs=offs)
+                if backward:
+                    grad = torch.randn(rows, hidden, device=device, dtype=dt)
+                    both = device_seconds(lambda: torch.autograd.grad(forward(), (x, up, down), grad),
+                                          device, shapes.repeats, shapes.warmup)
+                    with torch.no_grad():
+                        fwd = device_seconds(forward, device, shapes.repeats, shapes.warmup)
+                    sec, f = max(both - fwd, 1e-9), 2 * flop
+                else:
+                    with torch.no_grad():
+                        sec, f = device_seconds(forward, device, shapes.repeats, shapes.warmup), flop
+            except Exception as err:  # noqa: BLE001 - a shape the kernel refuses is a finding
+                out.append(Point("grouped-gemm", "grouped-mm", direction, shape, None, flop, None,
+                                 f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:160]}",
+                                 size=width))
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            out.append(Point("grouped-gemm", "grouped-mm", direction, shape, sec, f, f / sec / 1e12,
+                             note=f"{label}; gelu x up unfused between the two", size=width))
+    return out
+
+
+# ---- linear attention (Gated-DeltaNet) ------------------------------------------------------------
+def _delta_rule_flops_per_token(dk: int, dv: int, chunk: int = GDN_CHUNK) -> float:
+    """As simulator/cost/linear_ops.delta_rule_flops_per_token (the kit runs without csbp)."""
+    return 6 * chunk * dk + 4 * chunk * dv + 2 * chunk * chunk / 3 + 6 * dk * dv
+
+
+def linear_points(shapes: Shapes, device: torch.device, budget: Budget) -> list[Point]:
+    """flash-linear-attention's Triton chunk_gated_delta_rule (implementation.md 13), if
+    importable: the clean pass (one sequence) and the noisy pass (every block its own sequence,
+    cu_seqlens), forward and backward; FLOP as the simulator counts them (x2.5 backward)."""
+    heads, dim, tokens, block = shapes.gdn
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        why = None if device.type == "cuda" else "Triton kernels need a GPU"
+    except Exception as err:  # noqa: BLE001 - not installed here is a finding
+        chunk_gated_delta_rule, why = None, f"fla not importable ({type(err).__name__})"
+    out = []
+    flop = _delta_rule_flops_per_token(dim, dim) * tokens * heads
+    for case, seqs in (("clean", None), ("noisy blocks", tokens // block)):
+        shape = f"T{tokens} H{heads} d{dim}" + (f" {seqs}x{block} varlen" if seqs else "")
+        for backward in (False, True):
+            direction = "bwd" if backward else "fwd"
+            f = flop * (BACKWARD_RATIO if backward else 1.0)
+            if why or not budget.allows(5):
+                out.append(Point("linear", "fla-triton", direction, shape, None, f, None,
+                                 f"unavailable: {why}" if why else "skipped: budget", note_case(case)))
+                continue
+            try:
+                dt = shapes.dtype
+                q, k, v = (torch.randn(1, tokens, heads, dim, device=device, dtype=dt,
+                                       requires_grad=backward) for _ in range(3))
+                g = F.logsigmoid(torch.randn(1, tokens, heads, device=device, dtype=torch.float32))
+                beta = torch.rand(1, tokens, heads, device=device, dtype=dt).sigmoid()
+                kw = {"use_qk_l2norm_in_kernel": True}
+                if seqs:
+                    kw["cu_seqlens"] = torch.arange(0, tokens + 1, block, device=device, dtype=torch.long)
+
+                def call():
+                    return chunk_gated_delta_rule(q, k, v, g, beta, **kw)[0]
+                if backward:
+                    grad = torch.randn(1, tokens, heads, dim, device=device, dtype=dt)
+                    both = device_seconds(lambda: torch.autograd.grad(call(), (q, k, v), grad),
+                                          device, shapes.repeats, shapes.warmup)
+                    with torch.no_grad():
+                        fwd = device_seconds(call, device, shapes.repeats, shapes.warmup)
+                    sec = max(both - fwd, 1e-9)
+                else:
+                    with torch.no_grad():
+                        sec = device_seconds(call, device, shapes.repeats, shapes.warmup)
+            except Exception as err:  # noqa: BLE001
+                out.append(Point("linear", "fla-triton", direction, shape, None, f, None,
+                                 f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:160]}",
+                                 note_case(case)))
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            out.append(Point("linear", "fla-triton", direction, shape, sec, f, f / sec / 1e12,
+                             f"fla chunk_gated_delta_rule, {case}", note_case(case)))
+    return out
+
+
+def note_case(case: str) -> float:
+    """`size` of a linear point: 1 for the clean pass, 0.5 for the noisy blocks' (varlen)."""
+    return 1.0 if case == "clean" else 0.5
 
 
 # ---- attention families --------------------------------------------------------------------------

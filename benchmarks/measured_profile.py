@@ -151,6 +151,9 @@ def build(base_path: Path, points: list[Point], env: dict, name: str) -> dict:
                                         "measured: per tiny kernel (in-place add of 8 elements) "
                                         "launched back to back")
     _attention(gpu, points, peak, where)
+    _head_dims(gpu, points, peak, where)
+    _grouped(gpu, points, peak, where, env)
+    _linear(gpu, points, peak, where)
     factor = masked_factor(points)
     if factor:
         gpu["masked_attention_efficiency_factor"] = _figure(factor[0], f"measured: {factor[1]}")
@@ -193,6 +196,67 @@ def _attention(gpu: dict, points: list[Point], peak: float, where: str) -> None:
                                        f"FA3-class curve at the same tile, median of "
                                        f"{len(ratios)} tiles, head dim {head_dim}, non-causal, "
                                        f"{where}")
+
+
+def _median_efficiency(points: list[Point], peak: float, **match) -> float | None:
+    found = [efficiency(p, peak) for p in points if p.seconds is not None
+             and all(getattr(p, k) == v for k, v in match.items())]
+    return statistics.median(found) if found else None
+
+
+def _head_dims(gpu: dict, points: list[Point], peak: float, where: str) -> None:
+    """Each family's efficiency at the larger head dim over its own at the smaller one (same
+    tiles, non-causal), forward and backward: `head_dim_factors` [[hd, fwd, bwd]]."""
+    kernels = gpu.get("attention_kernels")
+    dims = sorted({p.head_dim for p in points if p.what == "attention" and p.head_dim})
+    if not isinstance(kernels, dict) or len(dims) < 2:
+        return
+    low, high = dims[0], dims[-1]
+    for family, key in FAMILY_KEYS.items():
+        entry = kernels.get(key)
+        if not isinstance(entry, dict):
+            continue
+        ratios = []
+        for direction in ("fwd", "bwd"):
+            pts = [p for p in points if p.what == "attention" and p.family == family
+                   and p.direction == direction and "causal" not in p.shape and p.seconds]
+            by = {(p.size, p.head_dim): efficiency(p, peak) for p in pts}
+            r = [by[(t, high)] / by[(t, low)] for t, d in by if d == low and (t, high) in by]
+            ratios.append(_significant(statistics.median(r)) if r else None)
+        if None not in ratios:
+            entry["head_dim_factors"] = _figure(
+                [[high, *ratios]], f"measured: {LABELS.get(family, family)} efficiency at head dim "
+                f"{high} over its own at {low}, median over tiles, forward / backward, non-causal, {where}")
+
+
+def _grouped(gpu: dict, points: list[Point], peak: float, where: str, env: dict) -> None:
+    """`gemm_kernels.grouped-mm.efficiency`: forward + backward FLOP over time, per expert width."""
+    widths = sorted({p.size for p in points if p.what == "grouped-gemm" and p.seconds})
+    curve = []
+    for w in widths:
+        mine = [p for p in points if p.what == "grouped-gemm" and p.size == w and p.seconds]
+        if {p.direction for p in mine} == {"fwd", "bwd"}:
+            flop, sec = sum(p.flop for p in mine), sum(p.seconds for p in mine)
+            curve.append([w, _significant(min(1.0, flop / sec / 1e12 / peak))])
+    if curve:
+        shape = next(p.shape for p in points if p.what == "grouped-gemm" and p.seconds)
+        gpu.setdefault("gemm_kernels", {})["grouped-mm"] = {"efficiency": _figure(
+            curve, f"measured: gate+up and down grouped GEMMs ({shape.rsplit(' ', 1)[0]}, equal "
+            f"groups), forward + backward FLOP over their time, by expert width, {env['dtype']}, {where}")}
+
+
+def _linear(gpu: dict, points: list[Point], peak: float, where: str) -> None:
+    """`linear_attention_kernels.fla-triton`: the clean pass's efficiency (the noisy blocks'
+    varlen pass is reported beside it, not in the profile)."""
+    fwd = _median_efficiency(points, peak, what="linear", family="fla-triton", direction="fwd", size=1.0)
+    bwd = _median_efficiency(points, peak, what="linear", family="fla-triton", direction="bwd", size=1.0)
+    if fwd and bwd:
+        shape = next(p.shape for p in points if p.what == "linear" and p.seconds)
+        src = (f"measured: flash-linear-attention chunk_gated_delta_rule, one sequence {shape}, on "
+               "linear_ops.delta_rule_flops_per_token (x2.5 backward) / time / peak, " + where)
+        gpu.setdefault("linear_attention_kernels", {})["fla-triton"] = {
+            "forward_efficiency": _figure(_significant(min(1.0, fwd)), src),
+            "backward_efficiency": _figure(_significant(min(1.0, bwd)), src)}
 
 
 def write(path: Path, profile: dict) -> None:

@@ -46,6 +46,15 @@ def test_the_dry_run_writes_a_loadable_profile_and_a_report(tmp_path):
         assert {"measured_s", "predicted_s"} <= e["by_phase"][0].keys()
     families = {k["family"] for k in report["kernels"] if k["what"] == "attention"}
     assert {"fa2", "cudnn", "efficient", "flex-triton", "fa3", "fa4"} <= families
+    # issue 23's families: grouped GEMM measured (F.grouped_mm runs on CPU in bf16), the delta
+    # rule listed with the reason it did not run (flash-linear-attention needs Triton on a GPU)
+    kinds = {(k["what"], k["family"], k["direction"]) for k in report["kernels"]}
+    assert {("grouped-gemm", "grouped-mm", d) for d in ("fwd", "bwd")} <= kinds
+    assert {("linear", "fla-triton", d) for d in ("fwd", "bwd")} <= kinds
+    assert all(k["seconds"] is not None or k["note"] for k in report["kernels"]
+               if k["what"] in ("grouped-gemm", "linear"))
+    if any(k["what"] == "grouped-gemm" and k["seconds"] for k in report["kernels"]):
+        assert profile.sources["gpu.gemm_kernels.grouped-mm.efficiency"].startswith("measured")
     assert "## Emulated ranks" in (tmp_path / "gpu_check_report.md").read_text()
 
 
@@ -79,3 +88,29 @@ def test_the_profile_keeps_unmeasured_figures_with_their_sources_and_marks_measu
         assert source.startswith(("measured", "copied from h200")), key
         if source.startswith("copied"):
             assert base.sources[key] in source, key
+
+
+@pytest.mark.floats
+def test_the_profile_writes_grouped_linear_and_head_dim_families_from_their_points(tmp_path):
+    peak = 989.4
+    points = [kb.Point("grouped-gemm", "grouped-mm", d, "E64 rows262144 h2816 I704", 1e-3,
+                       f, f / 1e-3 / 1e12, size=704.0) for d, f in (("fwd", 2e11), ("bwd", 4e11))]
+    points += [kb.Point("linear", "fla-triton", d, "T32768 H48 d128", 1e-3, f, f / 1e-3 / 1e12,
+                        "clean", 1.0) for d, f in (("fwd", 1e11), ("bwd", 2e11))]
+    points += [kb.Point("attention", "fa4", d, f"S4096 D{hd}", 1e-3, 1e12, r, size=4096.0,
+                        head_dim=hd) for d in ("fwd", "bwd") for hd, r in ((128, 600.0), (256, 540.0))]
+    env = {"where": "a test", "torch": "x", "device_name": "NVIDIA H200", "dtype": "bfloat16"}
+    profile = measured_profile.build(ROOT / "hardware_profiles" / "h200.yaml", points, env, "t")
+    path = tmp_path / "t.yaml"
+    measured_profile.write(path, profile)
+    loaded = load_profile(str(path))
+    # (2e11 + 4e11) FLOP in 2 ms; 1e11 in 1 ms; 540 / 600; written to three significant digits
+    # (_significant), hence abs=5e-4 on values below 1
+    (width, eff), = loaded.gpu.gemm_kernels["grouped-mm"].efficiency
+    assert width == 704 and eff == pytest.approx(300 / peak, abs=5e-4)
+    assert loaded.gpu.linear_attention_kernels["fla-triton"].forward_efficiency == pytest.approx(100 / peak, abs=5e-4)
+    (hd, fwd, bwd), = loaded.gpu.attention_kernels["fa4"].head_dim_factors
+    assert hd == 256 and fwd == pytest.approx(0.9, abs=5e-4) and bwd == pytest.approx(0.9, abs=5e-4)
+    for key in ("gpu.gemm_kernels.grouped-mm.efficiency", "gpu.linear_attention_kernels.fla-triton.forward_efficiency",
+                "gpu.attention_kernels.fa4.head_dim_factors"):
+        assert loaded.sources[key].startswith("measured"), key
