@@ -36,8 +36,11 @@ def figure(rows: list[dict], title: str):
     for ax, (key, what) in zip(axes, panels):
         errors = [abs(r["predicted_step_s"] / r[key] - 1) for r in rows]
         _panel(ax, rows, key, lo, hi)
-        ax.set_title(f"{what}: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}",
-                     fontsize=10)
+        by_world = ", ".join(  # a bias of one world size shows as its mean, signed
+            f"world {w} {statistics.fmean(r['predicted_step_s'] / r[key] - 1 for r in rows if r['world'] == w):+.0%}"
+            for w in sorted({r["world"] for r in rows}))
+        ax.set_title(f"{what}: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}\n"
+                     f"mean error by world size: {by_world}", fontsize=10)
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
