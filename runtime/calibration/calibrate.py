@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "microbenchmarks on this host and write a measured profile.")
     p.add_argument("--out", default=None, help="profile path (default: hardware_profiles/NAME.yaml)")
     p.add_argument("--name", default="cpu-measured", help="profile name (default: cpu-measured)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 2.5 minutes on 2 cores; the full run about 7, more on a busy host)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 2 minutes on 2 cores; the full run about 6, more on a busy host)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
