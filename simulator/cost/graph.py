@@ -345,13 +345,8 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         if m.is_moe:
             self.notes.append("MoE: balanced routing; experts sharded over ep and not "
                               "tensor-parallel; each sequence-parallel shard routes its own tokens")
-        reduce = "reduce-scatter" if w.zero_stage else "all-reduce"
-        buckets = ("one bucket after the backward pass (nothing to hide behind)" if self.one_bucket
-                   else "per layer bucket")
-        self.notes.append(f"gradients: {reduce} in {w.dtype} {buckets} over the dp x ctx "
-                          "(x ep) ranks" + ("" if self.one_bucket else ", hidden behind the next layer's backward")
-                          + ("; updated parameters all-gathered after the optimizer, not hidden "
-                             "behind the next step" if w.zero_stage in (1, 2) else ""))
+        self.notes.append(self.gradient_note())
+        self.notes.extend(self.loss_notes())
         embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
         grads, x = (), ()
         bucketed = not self.one_bucket

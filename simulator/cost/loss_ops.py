@@ -39,6 +39,20 @@ class LossOps:
             return None
         return max(1, math.ceil(float(np.max(rows)) / kernel.tile_rows))
 
+    def loss_notes(self) -> list[str]:
+        """What the report says about the loss kernel and the TP collectives."""
+        k, out = self.impl.loss, []
+        if self.loss_tiles(self.loss_rows()) is not None:
+            out.append(f"loss: tiled fused cross-entropy, {k.tile_rows}-row tiles with "
+                       f"{k.logits_bytes or self.dt}-byte logits, logits recomputed in backward"
+                       if k.recompute_logits else f"loss: tiled fused cross-entropy, {k.tile_rows}-row tiles")
+        if self.tp > 1:
+            tp = self.impl.tp
+            out.append("tensor parallel: collectives " + ("overlapped with the GEMMs" if tp.exchange == "overlapped"
+                                                          else "waited on by the next op")
+                       + ("" if tp.replay_in_recompute else ", not replayed in recompute"))
+        return out
+
     def loss_forward(self, x: Deps, rows: np.ndarray | None = None) -> Deps:
         """Vocabulary-parallel LM head and cross-entropy over the loss rows (`loss_rows`)."""
         h, V = self.m.hidden, self.m.vocab

@@ -136,6 +136,28 @@ class OptimizerOps:
             out += self.add(f"{name}.{what}", phase, layer, work, x) if work else ()
         return out
 
+    def gradient_note(self) -> str:
+        """How the step reduces gradients and updates weights, in one line for the report."""
+        o, w = self.opt, self.w
+        _, n_dense, _, n_expert = self.grad_groups()
+        reduce = self.reduce_collective(n_dense)
+        buckets = ("one bucket after the backward pass (nothing to hide behind)" if self.one_bucket
+                   else "per layer bucket" if o.buckets == "layer"
+                   else f"buckets of the largest trainable parameter ({o.bucket_buffers} buffers alive "
+                        "through the backward)")
+        group = {"none": "every rank holding the same weights (replicated state)",
+                 "dp-ctx": "the dp x ctx ranks", "dp-ctx-ep": "the dp x ctx x ep ranks",
+                 "dp-ctx-tp": "the dp x ctx x tp ranks"}[o.shard_group]
+        dtype = {1: "fp8", 2: "bf16", 4: "fp32"}[o.bucket_bytes] if o.bucket_bytes else w.dtype
+        return (f"gradients: {reduce} in {dtype}, {buckets}, over {group}"
+                + ("" if self.one_bucket else ", hidden behind the next layers' backward")
+                + ("; dense gradients all-reduced again over ep" if o.ep_dense_all_reduce and self.p.ep > 1 else "")
+                + (f"; clipping copies each gradient slice at {o.clip_temporary_bytes} B for its norm"
+                   if o.clip_temporary_bytes else "")
+                + (f"; AdamW state {o.state_bytes} B per moment" + (", fp32 master" if o.master else ", no master"))
+                + ("; updated parameters all-gathered after the optimizer, not hidden behind the next step"
+                   if w.zero_stage in (1, 2) and n_dense > 1 else ""))
+
     def optimizer_shard(self) -> float:
         """Parameters this rank's optimizer updates."""
         _, n_dense, _, n_expert = self.grad_groups()
