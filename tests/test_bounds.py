@@ -160,3 +160,21 @@ def test_pruned_search_reports_what_the_exhaustive_one_does(name, seq_len, engin
         assert found.baseline.to_json() == full.baseline.to_json()
         assert {f: r.to_json() for f, r in found.best_per_family().items()} == \
             {f: r.to_json() for f, r in full.best_per_family().items()}
+
+
+@pytest.mark.parametrize("name, seq_len", [
+    ("nemotron-diffusion-8b", 64 * K),
+    ("diffusiongemma-26b-a4b", 32 * K),
+    ("qwen3.5-27b", 64 * K),
+])
+def test_baseline_only_search_finds_the_full_searchs_baseline(name, seq_len):
+    """`search(baseline_only=True)` (the `ideal` comparison of `csbp plan`) reports the baseline
+    the full pruned search does (itself the exhaustive one's: above), screening no more. Exact:
+    the same simulations of the same plans in one process, ranked by rank_key."""
+    model = load_model(name)
+    profile = load_profile("h200").model_copy(update={"implementation": "ideal"})
+    workload = Workload(seq_len=seq_len, objective=default_objective(model))
+    full = search(model, workload, profile, 1, workers=1, keep=1)
+    alone = search(model, workload, profile, 1, workers=1, keep=1, baseline_only=True)
+    assert alone.baseline.to_json() == full.baseline.to_json()
+    assert alone.screened <= full.screened and alone.rescored <= full.rescored

@@ -4,7 +4,8 @@ The recommended plan's speedup over the best plan without BP, once under `ideal`
 the fastest kernel with its collectives hidden: what is left is the method's traffic and balance)
 and once under `turbo-dllm` (what the reference framework executes: kernels, waits, copies). The
 best plan without BP is searched again under each profile, since the baseline a user would pick
-changes with what the framework runs.
+changes with what the framework runs; that search wants the baseline alone
+(`search(baseline_only=True)`: the full search's baseline, for fewer simulations).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def speedup_by_implementation(found: Search, **searched) -> dict[str, float | No
             out[name] = found.speedup
             continue
         profile = found.profile.model_copy(update={"implementation": name})
-        other = search(found.model, found.workload, profile, found.nodes, engine=found.engine, keep=1, **searched)
+        other = search(found.model, found.workload, profile, found.nodes, engine=found.engine, keep=1,
+                       baseline_only=True, **searched)
         mine = simulate(found.model, Workload(**rec.workload), plan_of(rec), profile, found.nodes,
                         engine=found.engine, with_trace=False)
         base = other.baseline

@@ -324,7 +324,7 @@ def cluster_gpus(profile: HardwareProfile, nodes: int) -> int:
 def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
            axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None,
-           keep: int | None = None) -> Search:
+           keep: int | None = None, baseline_only: bool = False) -> Search:
     """Drop what does not fit, screen the rest with the closed form, re-score the best with
     `engine`, rank.
 
@@ -333,19 +333,27 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     the best of each family are what an exhaustive search gives, and candidates that cannot
     reach them are pruned (`ranked` then holds only the screened ones); None screens every
     candidate. Raises InputError for an impossible cluster or when nothing fits.
+
+    `baseline_only` (with `keep`): only `baseline` is wanted (`method_vs_implementation`), so
+    plans with BP matter only where they could push a plan without BP out of the overall picks,
+    and the engine re-scores only the picks without BP (and their placements): the baseline is
+    the one the full search reports, as the same bp == 1 plans are picked and re-scored the same
+    way; `ranked` then need not start with an `engine` result (no InputError for that).
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
     space = enumerate_space(model, workload, gpus, checkpointing, axes,
                             implementation=profile.implementation)
     with Workers(workers) as pool:
-        found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool)
+        found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool,
+                        baseline_only and keep is not None)
     found.seconds = time.perf_counter() - start
     return found
 
 
 def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, space: Space,
-            engine: str, des_top: int, keep: int | None, pool: Workers) -> Search:
+            engine: str, des_top: int, keep: int | None, pool: Workers,
+            baseline_only: bool = False) -> Search:
     counts = {"floor": 0, "quick": 0, "tight": 0}
     fitting = []
     for cand in space.candidates:
@@ -367,12 +375,15 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         scored = len(fitting)
     else:
         screened, scored = screen_pruned(model, fitting, profile, engine, keep, des_top,
-                                         lambda cands: evaluate(cands, "closed-form"), pool, counts)
+                                         lambda cands: evaluate(cands, "closed-form"), pool, counts,
+                                         baseline_only)
     evaluations = scored
     ranked = [r for _, r in screened]
     picks: list[int] = []
     if engine != "closed-form" and screened:
         picks = _to_rescore(screened, des_top)
+        if baseline_only:  # the same bp == 1 picks as the full search, the others left out
+            picks = [i for i in picks if screened[i][0].plan.bp == 1]
         rescored = sorted((r for _, r in evaluate([screened[i][0] for i in picks], engine)),
                           key=rank_key)
         # where the context group sits, tried for every plan the engine re-scored (the reported
@@ -385,7 +396,7 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         picked = set(picks)
         ranked = rescored + [r for i, (_, r) in enumerate(screened) if i not in picked]
     infeasible = space.groups()
-    if not ranked or ranked[0].engine != engine:
+    if not ranked or (ranked[0].engine != engine and not baseline_only):
         summary = "; ".join(f"{g.reason} ({len(g.plans)})" for g in infeasible[:3])
         if infeasible:
             summary += f"; e.g. {infeasible[0].example}"
@@ -400,7 +411,8 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
 
 def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareProfile, engine: str,
                   keep: int, des_top: int, evaluate, pool: Workers,
-                  counts: dict[str, int] | None = None) -> tuple[list[tuple[Candidate, Result]], int]:
+                  counts: dict[str, int] | None = None,
+                  baseline_only: bool = False) -> tuple[list[tuple[Candidate, Result]], int]:
     """(screened candidates with their closed-form results, best first; how many were simulated).
 
     What the reported ranking reads from the screen: the event engine's picks (the best
@@ -417,7 +429,7 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     candidate left matters, the rest are pruned. A cap only ever tightens and never falls below
     the candidate's tokens/s, so the ladder reports what the exhaustive screen does. Ties in
     rank_key keep the enumeration order, as the exhaustive sort does. `counts`: the bounds
-    computed per rung, added to.
+    computed per rung, added to. `baseline_only`: see `search`.
     """
     # the quick bound is already the plan's own graph where no K/V moves (or where the profile
     # does not let keys stay home); and the tighter one pays only where a simulation is dear:
@@ -451,7 +463,7 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     # candidates in the same groups share their thresholds: one heap of caps per set of groups
     heaps: dict[tuple[str, ...], list[tuple[float, int]]] = {}
     for i, cand in enumerate(fitting):
-        heaps.setdefault(_groups(cand.plan), []).append((-cap[i], i))
+        heaps.setdefault(_groups(cand.plan, baseline_only), []).append((-cap[i], i))
     for heap in heaps.values():
         heapq.heapify(heap)
     done: set[int] = set()
@@ -470,7 +482,7 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
 
     while True:
         scored.sort(key=lambda icr: (rank_key(icr[2]), icr[0]))
-        i = best(_floors(scored, keep, des_top, engine))
+        i = best(_floors(scored, keep, des_top, engine, baseline_only))
         if i is None:
             return [(c, r) for _, c, r in scored], len(done)
         cand = fitting[i]
@@ -486,19 +498,22 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
                 rung = "quick" if at_home else "tight"
                 counts[rung] = counts.get(rung, 0) + 1
             cap[i] = min(cap[i], _cap(tokens[i], bounds[key][cand.workload.checkpointing]))
-            heapq.heappush(heaps[_groups(cand.plan)], (-cap[i], i))
+            heapq.heappush(heaps[_groups(cand.plan, baseline_only)], (-cap[i], i))
             continue
         done.add(i)
         scored += [(i, c, r) for c, r in evaluate([cand])]
 
 
-def _groups(plan: Plan) -> tuple[str, ...]:
-    """The parts of the reported ranking a candidate can enter."""
+def _groups(plan: Plan, baseline_only: bool = False) -> tuple[str, ...]:
+    """The parts of the reported ranking a candidate can enter; for the baseline alone, a plan
+    with BP only the overall picks (where it can push a plan without BP out)."""
+    if baseline_only and plan.bp > 1:
+        return ("all",)
     return ("all", family(plan)) + (("no-bp",) if plan.bp == 1 else ())
 
 
 def _floors(scored: list[tuple[int, Candidate, Result]], keep: int, des_top: int,
-            engine: str) -> dict[str, float]:
+            engine: str, baseline_only: bool = False) -> dict[str, float]:
     """Per group, the tokens/s a candidate must reach to matter there (absent: everything
     matters until the group has enough scored members).
 
@@ -518,7 +533,7 @@ def _floors(scored: list[tuple[int, Candidate, Result]], keep: int, des_top: int
             max(des_top, rest[wanted - 1] + 1) if len(rest) >= wanted else len(best) + 1)
     members: dict[str, list[float]] = {}
     for c, r in best:
-        for g in _groups(c.plan):
+        for g in _groups(c.plan, baseline_only):
             members.setdefault(g, []).append(r.tokens_per_s or 0.0)
     floors = {}
     for g, speeds in members.items():
