@@ -73,7 +73,7 @@ def top_rates(profile: HardwareProfile) -> tuple[float, float, float] | None:
     def kernel(backward: bool) -> float:
         best = 1.0 if not gpu.attention_kernels else 0.0
         for k in gpu.attention_kernels.values():
-            for hd in (0, *(k.head_dim_factors or {})):
+            for hd in (0, *(row[0] for row in k.head_dim_factors or ())):  # [[hd, fwd, bwd]]
                 best = max(best, k.factor(backward, hd))
         return best
 
