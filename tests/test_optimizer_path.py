@@ -192,3 +192,20 @@ def test_ideal_optimizer_loss_and_tp_never_slower_than_turbo(model, plan, seq, h
             for k, impl in (("turbo", TURBO), ("best", best))}
     # 1e-9: two graphs whose shared ops sum in other orders
     assert step["best"] <= step["turbo"] * (1 + 1e-9)
+
+
+def test_frozen_head_runs_in_row_blocks_with_one_fp32_workspace(h200):
+    """Section 14: the drafter's frozen head over 4096-row blocks with an fp32 workspace (width:
+    the recipe's vocabulary block [U]): the loss moment holds one workspace, whatever the rows;
+    each pass calls one GEMM per row block and vocabulary block."""
+    model = load_model("dflash2-qwen3.8-27b")
+    w = Workload(seq_len=K16, block_size=8, objective="dflash2", max_anchors=1024, checkpointing="none",
+                 vocab_block=32768)
+    plan = Plan(dp=8)
+    tl = timeline(model, w, plan, TURBO, h200)
+    at = next(k for k, m in enumerate(tl.moments) if m.op == "cross-entropy")
+    assert tl.breakdown(at, 0)["loss"] == 4096 * 32768 * 4
+    g = graph(model, w, plan, TURBO)
+    head = next(op for op in g.ops if op.name == "lm-head").work
+    rows = 1024 * 8  # anchors x block: the draft rows
+    assert head.kernels == math.ceil(rows / 4096) * math.ceil(model.vocab / 32768)

@@ -26,9 +26,14 @@ class LossOps:
         return rows * self.obj.loss_row_share if self.obj.loss_row_share != 1.0 else rows
 
     def head_calls(self, per_block: int) -> int:
-        """GEMM calls of the LM head: `per_block` per vocabulary block of the rank's V/tp."""
+        """GEMM calls of the LM head: `per_block` per vocabulary block of the rank's V/tp, and
+        per row block of a frozen head run in row blocks (`implementation.loss.frozen_head_rows`)."""
         blk = self.obj.vocab_block
-        return per_block * (math.ceil(self.m.vocab / self.tp / blk) if blk else 1)
+        calls = per_block * (math.ceil(self.m.vocab / self.tp / blk) if blk else 1)
+        rows = self.impl.loss.frozen_head_rows
+        if rows and self.obj.frozen_embeddings:
+            calls *= max(1, math.ceil(float(np.max(self.loss_rows())) / rows))
+        return calls
 
     def loss_tiles(self, rows: np.ndarray) -> int | None:
         """Row tiles of a tiled loss kernel (`implementation.loss`), None for Liger's chunks or
@@ -103,6 +108,15 @@ class LossOps:
             return self.add("head.grad-hidden.ar", "backward", None, self.comm(
                 "all-reduce", rows * h * self.dt * 2 * self.ring_share(self.g_tp), self.g_tp, "tp"), x)
         return self.add("head-in.rs-bwd", "backward", None, self.tp_collective("reduce-scatter", rows), x)
+
+
+def frozen_head_workspace(model, kernel, vocab_block: int | None, tp: int) -> float:
+    """A frozen head's workspace (implementation.md 14): one [row block, vocabulary block]
+    buffer of `frozen_head_bytes` elements, whatever the rows; 0 without row blocks."""
+    if not kernel.frozen_head_rows:
+        return 0.0
+    V = math.ceil(model.vocab / tp)
+    return float(kernel.frozen_head_rows * min(vocab_block or V, V) * kernel.frozen_head_bytes)
 
 
 def loss_buffers(model, kernel, rows: np.ndarray, dt: int, tp: int) -> tuple[np.ndarray, np.ndarray]:

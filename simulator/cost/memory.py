@@ -259,6 +259,9 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
         per = {n: loss_bytes(model, n, obj.vocab_block, dt, tp) for n in set(noisy.tolist())}
         loss = np.array([per[n] for n in noisy.tolist()], dtype=float)
     loss_backward = None
+    if not eager and obj.frozen_embeddings and impl.loss.frozen_head_rows:
+        # a frozen head over row blocks: one fp32 workspace wherever the rank has loss rows
+        loss = (noisy > 0) * loss_ops.frozen_head_workspace(model, impl.loss, obj.vocab_block, tp)
     if not eager and impl.loss.kernel == "tiled-ce" and not obj.frozen_embeddings:
         # the reference's tiled kernel (implementation.md 9): one tile's fp32 logits in forward,
         # its backward buffers with the whole weight and input gradients

@@ -199,6 +199,11 @@ class LossKernel(BaseModel):
     recompute_logits: _Bool = False  # the backward runs the head's forward GEMM again
     # the head's input gradient summed over TP: reduce-scatter (sequence parallel) or all-reduce
     tp_grad_hidden: Annotated[Reduce, FIGURE] = "reduce-scatter"
+    # a frozen head (a drafter's, objectives.py) run over blocks of this many rows, each with a
+    # [rows, vocab block] workspace of frozen_head_bytes elements; None: one block of every row,
+    # logits and their gradient in the step dtype
+    frozen_head_rows: Annotated[int | None, Field(ge=1), FIGURE] = None
+    frozen_head_bytes: Annotated[int, Field(ge=1, le=4), FIGURE] = 4
 
     @model_validator(mode="after")
     def _tiles(self) -> "LossKernel":
