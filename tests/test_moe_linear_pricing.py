@@ -169,3 +169,13 @@ def test_profiles_name_families_the_gpu_lists(h200):
     check_kernels(load_implementation("turbo-dllm"), h200.gpu)
     with pytest.raises(InputError, match="GEMM kernel 'cutlass'"):
         check_kernels(with_sections(moe={"expert_gemm": "cutlass"}), h200.gpu)
+
+
+def test_the_dense_branch_runs_beside_the_all_to_all_the_profile_names(h200):
+    for overlaps, beside in (("dispatch", "ep.dispatch"), ("combine", "ep.combine")):
+        g = graph(GEMMA, Plan(ep=2, cp=8), with_sections(moe={"dense_overlaps": overlaps}))
+        t, _ = simulate_graph(g, h200, "des")
+        dense, a2a = ops(g, "dense-mlp")[0], ops(g, beside)[0]
+        # the dense GEMMs start before that all-to-all ends and end after it starts
+        assert (t.start[dense.index] < t.finish[a2a.index]).all(), overlaps
+        assert (t.finish[dense.index] > t.start[a2a.index]).all(), overlaps

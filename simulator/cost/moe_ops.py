@@ -78,10 +78,10 @@ class MoEOps:
         dense_work = c(("dense", backward), lambda: self.gemm(
             ratio * 2 * self.tokens * 3 * h * moe.dense_ffn / self.tp, 4 if backward else 2)) \
             if moe.dense_ffn else None
-        early = f.dense_overlaps == "dispatch"
-        dense = self.add("dense-mlp", phase, li, dense_work, router) if early and dense_work else ()
         copy = c("moe-route-copy", self.route_copies)
         routed = self.add("moe.route-copy", phase, li, copy, router)
+        early = f.dense_overlaps == "dispatch"  # computed while the dispatch moves the rows
+        dense = self.add("dense-mlp", phase, li, dense_work, router) if early and dense_work else ()
         sent = self.add("ep.combine-grad" if backward else "ep.dispatch", phase, li,
                         c(("ep-a2a-out", backward), lambda: self.ep_exchange(backward, not backward)), routed)
         experts = self.add("experts", phase, li, c(("experts", backward), lambda: self.experts_work(backward)),
