@@ -8,6 +8,7 @@ from csbp.experiments import StudyOutput
 from csbp.experiments.a_256k import winner_line
 from csbp.experiments.plots import lines
 from csbp.experiments.runner import FAMILIES, H100_1x8, Runner
+from csbp.simulator.workload.objectives import preset_recipe
 from csbp.simulator.workload.presets import load_model
 from csbp.simulator.workload.spec import ModelSpec
 from csbp.simulator.workload.workload import Workload, parse_tokens
@@ -43,8 +44,7 @@ COLUMNS = [("model", "drafter"), ("context", "context"), ("dp_tokens_s", "best D
 
 
 def drafters() -> list[tuple[ModelSpec, dict]]:
-    return [(load_model("dflash2-qwen3.8-27b"), {"block_size": 8, "max_anchors": 2048, "vocab_block": 32768}),
-            (load_model("dflash2-muse-glimmer-30b"), {"block_size": 16, "max_anchors": 512, "vocab_block": 16384})]
+    return [(m, preset_recipe(m)) for m in map(load_model, ("dflash2-qwen3.8-27b", "dflash2-muse-glimmer-30b"))]
 
 
 def run(runner: Runner, out: Path) -> StudyOutput:

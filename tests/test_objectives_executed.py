@@ -3,6 +3,7 @@ DiffusionGemma's live encoder K/V and pure BP's whole clean stream, the windowed
 trimmed context and features modes, the Muse-Glimmer drafter preset, and the tokens each
 objective's users count."""
 
+import json
 import numpy as np
 import pytest
 
@@ -138,3 +139,17 @@ def test_muse_glimmer_drafter_preset_loads_with_its_sources():
                for a in m.layers)
     assert "implementation.md 14" in m.source and "[U]" in m.source
     assert as_executed(Workload(seq_len=65536, block_size=16, objective="dflash2"), m).drafter_window == 2048
+
+
+def test_a_drafter_is_planned_at_its_recipes_block_unless_a_flag_says_otherwise(capsys):
+    """The command's generic block of 256 would draft 2048 anchors x 256 rows, more than the
+    context: a drafter preset takes its recipe's block, anchors and vocabulary block."""
+    from csbp.simulator.commands.cli import main
+
+    base = ["simulate", "--model", "dflash2-muse-glimmer-30b", "--hardware", "h100", "--nodes", "1",
+            "--seq-len", "64k", "--plan", "dp=8", "--json"]
+    for extra, block in (([], 16), (["--block-size", "32"], 32)):
+        capsys.readouterr()
+        assert main([*base, *extra]) == 0
+        w = json.loads(capsys.readouterr().out)["workload"]
+        assert (w["block_size"], w["max_anchors"], w["vocab_block"]) == (block, 512, 16384)

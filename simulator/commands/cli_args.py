@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from csbp.simulator.errors import InputError, one_line
-from csbp.simulator.workload.objectives import default_objective, recipe_checkpointing
+from csbp.simulator.workload.objectives import default_objective, preset_recipe, recipe_checkpointing
 from csbp.simulator.plan.plan import Plan, check_size, parse_plan
 from csbp.simulator.workload.presets import load_model
 from csbp.simulator.workload.spec import ModelSpec
@@ -37,7 +37,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> N
                    help="preset name or path to a Hugging Face config.json")
     p.add_argument("--seq-len", default=DEFAULT_SEQ_LEN if defaults else None,
                    help="context length L, e.g. 4096, 256k, 1m")
-    p.add_argument("--block-size", type=int, default=256, help="diffusion block size b")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="diffusion block size b (default: the preset's recipe, else 256)")
     p.add_argument("--objective", default=None,
                    help="bd3lm | fast-dllm-v2 | diffusiongemma | dflash2 (default: the model's)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per replica")
@@ -49,9 +50,11 @@ def add_workload_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> N
                    help="dflash2 target features: offline (read from storage and copied to the GPU "
                         "one batch ahead: a real training job, the default) | synthetic (resident on "
                         "the GPU, no I/O: the published benchmark runs)")
-    p.add_argument("--max-anchors", type=int, default=2048, help="dflash2: draft blocks per example")
-    p.add_argument("--vocab-block", type=int, default=32768,
-                   help="dflash2: the loss's vocabulary block (the frozen head's)")
+    p.add_argument("--max-anchors", type=int, default=None,
+                   help="dflash2: draft blocks per example (default: the preset's recipe, else 2048)")
+    p.add_argument("--vocab-block", type=int, default=None,
+                   help="dflash2: the loss's vocabulary block, the frozen head's (default: the "
+                        "preset's recipe, else 32768)")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -122,15 +125,17 @@ def add_plan_args(p: argparse.ArgumentParser, *, required: bool = False) -> None
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
     model = load_model(args.model)
     objective = args.objective or default_objective(model)
+    recipe = {"block_size": 256, **preset_recipe(model)}
+    flags = {k: v for k, v in (("block_size", args.block_size),
+                               ("features", getattr(args, "features", None)),
+                               ("max_anchors", getattr(args, "max_anchors", None)),
+                               ("vocab_block", getattr(args, "vocab_block", None))) if v is not None}
     try:
         workload = Workload(
-            seq_len=parse_tokens(args.seq_len), block_size=args.block_size,
+            seq_len=parse_tokens(args.seq_len),
             objective=objective, micro_batch=args.micro_batch, dtype=args.dtype,
             checkpointing=args.checkpointing or recipe_checkpointing(objective) or "full",
-            zero_stage=args.zero,
-            **{k: v for k, v in (("features", getattr(args, "features", None)),
-                                 ("max_anchors", getattr(args, "max_anchors", None)),
-                                 ("vocab_block", getattr(args, "vocab_block", None))) if v is not None})
+            zero_stage=args.zero, **(recipe | flags))
     except (ValidationError, ValueError) as err:
         raise InputError(one_line(err)) from None
     check_size(workload)

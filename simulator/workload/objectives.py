@@ -246,6 +246,20 @@ def recipe_checkpointing(objective: str) -> str | None:
     return "none" if objective == "dflash2" else None
 
 
+# What a preset's recipe fixes beyond the model (implementation.md 14, the DFlash2 recipes): the
+# draft block, the anchors per example and the frozen head's vocabulary block. A drafter planned at
+# the command's generic block of 256 would draft 2048 x 256 rows, more than its context.
+PRESET_RECIPES: dict[str, dict[str, int]] = {
+    "dflash2-qwen3.8-27b": {"block_size": 8, "max_anchors": 2048, "vocab_block": 32768},
+    "dflash2-muse-glimmer-30b": {"block_size": 16, "max_anchors": 512, "vocab_block": 16384},
+}
+
+
+def preset_recipe(model: ModelSpec) -> dict[str, int]:
+    """The workload fields a preset's recipe fixes; flags the user passes override them."""
+    return dict(PRESET_RECIPES.get(model.name, {}))
+
+
 def default_objective(model: ModelSpec) -> str:
     """Each preset trains with the objective of its study (workloads.md)."""
     name = model.name
