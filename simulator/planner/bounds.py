@@ -37,6 +37,11 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    depend on it), so the bound without checkpointing is the one with it, less the recompute
    segments; one graph gives both (`tests/test_bounds.py` holds them equal to a graph built
    without checkpointing).
+6. A reader on its own stream (`io`, `h2d`: a drafter's offline features) runs its ops one after
+   another from the step's start at the earliest, waited on by nobody (`engine.program.run`);
+   without overlap they run on the compute stream. Either way the step lasts at least each
+   reader stream's sum, on every rank, so the bound is the larger of that and the compute
+   stream's segments (which leave the readers out).
 """
 
 from __future__ import annotations
@@ -112,8 +117,10 @@ def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str
             total["none"] += weight * clock
 
     segment, finish, clock, computes = None, {}, np.zeros(n), False
+    readers: dict[str, np.ndarray] = {}  # per reader stream, the sum of its ops (reason 6)
     for op, took in zip(graph.ops, d):
-        if op.stream in ("io", "h2d"):  # a background reader beside the step: bounds nothing here
+        if op.stream in ("io", "h2d"):  # a background reader beside the step: its own bound (reason 6)
+            readers[op.stream] = readers.get(op.stream, np.zeros(n)) + took
             continue
         if (op.layer, op.phase) != segment:
             if computes:
@@ -131,6 +138,9 @@ def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str
             computes = True
     if computes:
         close(segment, clock)
+    for busy in readers.values():  # reason 6: the step outlasts each reader stream too
+        for ckpt in total:
+            total[ckpt] = np.maximum(total[ckpt], busy)
     return total
 
 
