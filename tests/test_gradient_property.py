@@ -25,8 +25,29 @@ pytestmark = pytest.mark.floats
 # |gradient| (100 x AdamW's eps, 1e-8) below which one step's update is rounding noise: an
 # element whose exact gradient is zero gets lr * noise / (|noise| + eps), a full-size update of
 # arbitrary sign that differs from CPU to CPU. Above it, an update's relative error is the
-# gradient's scaled by eps / (|g| + eps) < 0.01, so TOLERANCE holds for updates as for gradients.
+# gradient's scaled by eps / (|g| + eps) < 0.01.
 ADAM_FLOOR = 1e-6
+ADAM_EPS = 1e-8  # torch.optim.AdamW's default
+
+
+def stored_rounding(weights: np.ndarray, moved: np.ndarray) -> float:
+    """The relative error an fp32 weight's change carries from storing the weight alone: one ulp
+    of the updated weight per element (a norm weight near 1.0 moved by lr = 1e-3 has ulps of
+    1.2e-7, 1.2e-4 of its change), whenever two updates differing by rounding land on
+    neighbouring floats."""
+    ulps = np.spacing(np.abs(weights).astype(np.float32)).astype(np.float64)
+    scale = float(np.linalg.norm(moved))
+    return float(np.linalg.norm(ulps)) / scale if scale > 0 else 0.0
+
+
+def adam_clear(g: np.ndarray) -> np.ndarray:
+    """Elements whose AdamW update is as exact as the gradient test's TOLERANCE makes it.
+
+    The gradient test bounds a tensor's error by TOLERANCE x its norm, so one element may be off
+    by that much; the update g / (|g| + eps) turns an error dg into eps dg / |g|^2, which stays
+    within TOLERANCE of the update where |g| >= sqrt(eps x norm(g)) (and ADAM_FLOOR): elements
+    small beside their tensor (a norm weight's cancelling sums) are left to the step bound."""
+    return np.abs(g) > max(ADAM_FLOOR, float(np.sqrt(ADAM_EPS * np.linalg.norm(g))))
 
 
 @st.composite
@@ -138,10 +159,12 @@ def test_every_plan_with_sharded_adamw_matches_the_reference_update(drawn):
         before, after, grads = _updated_reference(job)
         for r in reports:
             for n in after:
-                big = np.abs(grads[n]) > ADAM_FLOOR
+                big = adam_clear(grads[n])
                 moved = r.parameters[n] - before[n]
-                error = relative_error(moved[big], (after[n] - before[n])[big])
-                assert error <= TOLERANCE, f"{job}: rank {r.rank} {n} off by {error:.1e}"
+                want = (after[n] - before[n])[big]
+                error = relative_error(moved[big], want)
+                allowed = TOLERANCE + stored_rounding(after[n][big], want)
+                assert error <= allowed, f"{job}: rank {r.rank} {n} off by {error:.1e}"
                 # one step moves a weight by lr |g| / (|g| + eps) < lr plus the decay lr * 0.01 |w|
                 # (torch's default weight_decay); 1 % over for fp32 rounding
                 bound = 1.01 * LEARNING_RATE * (1 + 0.01 * np.abs(before[n][~big]))
