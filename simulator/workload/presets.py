@@ -51,26 +51,28 @@ def _qwen35(name: str, note: str) -> ModelSpec:
 DRAFTER_WINDOW = 2048
 
 
-def _dflash2() -> ModelSpec:
+def _drafter(name: str, hidden: int, ffn: int, vocab: int, source: str) -> ModelSpec:
+    """A DFlash2 drafter: 5 sliding-window layers of 32/8 heads of 128, conditioned on 5 target
+    layers (implementation.md 14)."""
     attn = AttentionSpec(kind="sliding", n_heads=32, n_kv_heads=8, head_dim=128, window=DRAFTER_WINDOW)
-    return ModelSpec(
-        name="dflash2-qwen3.8-27b", hidden=5120, ffn=17408, vocab=248320, layers=(attn,) * 5,
-        conditioning_layers=5,
-        source="implementation.md 14: 5 layers, hidden 5120, 32/8 heads of 128, FFN 17,408, vocab "
-               "248,320 [third-party config]; sliding window 2048 as the Muse fixture [inference, U]",
-    )
+    return ModelSpec(name=name, hidden=hidden, ffn=ffn, vocab=vocab, layers=(attn,) * 5,
+                     conditioning_layers=5, source=source)
+
+
+def _dflash2() -> ModelSpec:
+    return _drafter(
+        "dflash2-qwen3.8-27b", 5120, 17408, 248320,
+        "implementation.md 14: 5 layers, hidden 5120, 32/8 heads of 128, FFN 17,408, vocab "
+        "248,320 [third-party config]; sliding window 2048 as the Muse fixture [inference, U]")
 
 
 def _dflash2_muse() -> ModelSpec:
-    attn = AttentionSpec(kind="sliding", n_heads=32, n_kv_heads=8, head_dim=128, window=DRAFTER_WINDOW)
-    return ModelSpec(
-        name="dflash2-muse-glimmer-30b", hidden=6656, ffn=19968, vocab=202048, layers=(attn,) * 5,
-        conditioning_layers=5,
-        source="implementation.md 14, the Muse-Glimmer drafter fixture: 5 sliding-window (2048) "
-               "layers, hidden 6656, 32/8 heads of 128, FFN 19,968, vocab 202,048; conditioned on 5 "
-               "target layers of the drafter's hidden width [U]; its block-local convolutions (2 taps, "
-               "groups of 16) and selector (rank 256, top-16) are not counted [U: small]",
-    )
+    return _drafter(
+        "dflash2-muse-glimmer-30b", 6656, 19968, 202048,
+        "implementation.md 14, the Muse-Glimmer drafter fixture: 5 sliding-window (2048) "
+        "layers, hidden 6656, 32/8 heads of 128, FFN 19,968, vocab 202,048; conditioned on 5 "
+        "target layers of the drafter's hidden width [U]; its block-local convolutions (2 taps, "
+        "groups of 16) and selector (rank 256, top-16) are not counted [U: small]")
 
 
 _PRESETS = {
