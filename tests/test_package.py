@@ -78,3 +78,22 @@ def test_every_module_sits_in_one_stage_folder():
             for package in (folder, *(p for p in folder.iterdir() if (p / "__init__.py").exists())):
                 name = ".".join(("csbp", *package.relative_to(root).parts))
                 assert name in installed, f"{name} is not in pyproject's packages"
+
+
+def test_every_module_is_named_in_the_architecture_table():
+    """A newcomer finds a module's room from the table: each stage folder's modules are listed
+    in its row (as `name`)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    table = (root / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[2]: line for line in table.splitlines() if line.startswith("| **")}
+    for top in ("simulator", "runtime"):
+        for folder in (p for p in (root / top).iterdir() if (p / "__init__.py").exists()):
+            row = next((r for cell, r in rows.items() if f"`{top}/{folder.name}/" in cell), None)
+            assert row, f"{top}/{folder.name}/ has no row"
+            if folder.name == "interop":  # one row names the folder: readers of other frameworks
+                continue
+            for module in folder.glob("*.py"):
+                if module.stem != "__init__":
+                    assert f"`{module.stem}`" in row, f"{top}/{folder.name}/{module.name} is not in its row"
