@@ -140,6 +140,9 @@ def objective_shape(workload: Workload, model: ModelSpec, plan: Plan | None = No
     """What `workload.objective` makes one step of `model` do (under `plan`: the EP group's
     MAX-synchronised self-conditioning; without one, a single example)."""
     obj = workload.objective
+    if obj == "ar":  # being built (issue 24): refuse rather than price it as BD3-LM
+        from csbp.simulator.errors import InputError
+        raise InputError("objective ar: not priced yet")
     if obj == "fast-dllm-v2":
         share = (workload.seq_len - 1) / (2 * workload.seq_len)
         return ObjectiveShape(**{**_BASE, "name": obj, "rows_per_example": 2,

@@ -12,9 +12,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-Objective = Literal["bd3lm", "fast-dllm-v2", "diffusiongemma", "dflash2"]
+# "ar": plain autoregressive training, a causal L-token sequence with a next-token loss (no 2L):
+# the objective TorchTitan and Megatron-Core train (shared/reference/frameworks.md)
+Objective = Literal["bd3lm", "fast-dllm-v2", "diffusiongemma", "dflash2", "ar"]
 Checkpointing = Literal["full", "none"]
 DType = Literal["bf16", "fp16", "fp32"]
+# the dtype of the transformer blocks' linear GEMMs: "fp8" as torchao Float8 / Transformer Engine run
+# them (frameworks.md A2, B3); attention stays in `dtype` unless the implementation profile says otherwise
+LinearDType = Literal["bf16", "fp8"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # dflash2: where the target features come from (implementation.md section 14): "offline" reads them
@@ -63,6 +68,8 @@ class Workload(BaseModel):
     # dflash2: the drafter's attention window when every layer is windowed, filled from the model
     # by `objectives.as_executed` (the context is then trimmed to the anchors' windows, section 14)
     drafter_window: PositiveInt | None = None
+    # linear GEMMs' dtype; None: the implementation profile's choice (bf16 when it names none)
+    linear_dtype: LinearDType | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "Workload":
