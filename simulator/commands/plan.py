@@ -217,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
 def emit_all(found, formats: list[str], nodes: int, gpus_per_node: int) -> dict[str, str]:
     """Each requested format: the recommendation, or the best plan that framework can express."""
     from csbp.simulator.interop import FORMATS, emit
+    from csbp.simulator.system.implementation import load_implementation
 
     out = {}
     for fmt in formats:
@@ -226,9 +227,12 @@ def emit_all(found, formats: list[str], nodes: int, gpus_per_node: int) -> dict[
         if best is None:
             out[fmt] = f"# {fmt} cannot express any feasible plan here: every plan without BP is infeasible"
             continue
+        workload = Workload(**best.workload)
+        # the sharding the implementation priced (FSDP2: ZeRO-3 whatever --zero said)
+        opt = load_implementation(found.profile.implementation).optimizer.path(workload.objective)
+        workload = workload.model_copy(update={"zero_stage": opt.stage(workload.zero_stage)})
         try:
-            out[fmt] = emit(fmt, found.model.name, Workload(**best.workload), plan_of(best), nodes,
-                            gpus_per_node)
+            out[fmt] = emit(fmt, found.model.name, workload, plan_of(best), nodes, gpus_per_node)
         except InputError as err:  # e.g. a ZeRO stage or dtype the framework has no name for
             out[fmt] = f"# {fmt} cannot express {label_of(best)}: {err}"
     return out

@@ -29,6 +29,7 @@ from csbp.simulator.layout.layout import Layout
 from csbp.simulator.layout.layout import clear_caches as clear_layout_caches
 from csbp.simulator.cost.linear_ops import (DELTA_RULE_CHUNK, LINEAR_STATE_BYTES,  # noqa: F401 (re-exported)
                                        LinearAttentionOps, delta_rule_flops_per_token)
+from csbp.simulator.cost.fp8_ops import FP8Ops
 from csbp.simulator.cost.loss_ops import LossOps
 from csbp.simulator.cost.moe_ops import MoEOps
 from csbp.simulator.cost.objective_ops import (ObjectiveOps, _anchor_pairs_of, _canvas_pairs, _context_rows_of,
@@ -120,7 +121,7 @@ class StepGraph:
 # ---- the builder --------------------------------------------------------------------------------
 
 
-class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, OptimizerOps):
+class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, OptimizerOps, FP8Ops):
     """Appends the ops of one step in program order; each helper returns the ops that end it."""
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -228,7 +229,7 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         if phase == "recompute" and not tp.replay_in_recompute:
             return x
         out = self.add(name, phase, li, work, x)
-        if tp.exchange == "waited" or work is None:
+        if tp.mode(phase) == "waited" or work is None:
             return out
         self._tp_side = getattr(self, "_tp_side", ()) + out
         return x
@@ -284,6 +285,7 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
         x = self.tp_step("attn-in.ag", phase, li, self.tp_collective("all-gather"), x)
         x = self.add("norm-rope", phase, li, norm_work, x)
+        x = self.add("fp8.cast", phase, li, c(("fp8", a, phase), lambda: self.fp8_casts(a, phase)), x)
         x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.gemm(f_in)), x)
         x = self.add("context-kv", phase, li, c(("ctx-kv", a), lambda: self.context_kv(a, 1.0)), x)
         if a.kind == "linear":
@@ -313,6 +315,7 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         norm_work = c(("normb", a), lambda: self.memory_bound(2 * self.norm_bytes(a)))
         f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
         x = self.tp_step("mlp-out.ag-bwd", "backward", li, self.mlp_collective("all-gather"), x)
+        x = self.add("fp8.cast-bwd", "backward", li, c(("fp8", a, "backward"), lambda: self.fp8_casts(a, "backward")), x)
         x = self.ffn(li, "backward", x, backward=True)
         x = self.add("norm-swiglu-bwd", "backward", li, norm_work, x)
         x = self.tp_step("mlp-in.rs-bwd", "backward", li, self.mlp_collective("reduce-scatter"), x)
@@ -331,7 +334,7 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
     def build(self) -> StepGraph:
         m, w, layers, obj = self.m, self.w, self.m.layers, self.obj
         h = m.hidden
-        zero3, recompute = w.zero_stage == 3, w.checkpointing == "full"
+        zero3, recompute = self.zero_stage == 3, w.checkpointing == "full"
         head_params, edge_params = self.edge_params()
         self.notes.extend(obj.notes)
         if any(a.kind == "linear" for a in layers) and self.lay.kind in ("cp", "csbp"):
@@ -352,6 +355,7 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         bucketed = not self.one_bucket
         # a drafter's offline features: a background reader beside the step (objective_ops)
         x = self.feature_io(x)
+        x = self.root_gather(x)  # FSDP2's root module, gathered once (optimizer_ops)
         if obj.canvas_passes:
             x = self.canvas_pass(self.canvas_sync(x))
         for v in range(obj.passes):
@@ -372,7 +376,7 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
             prefetch = ()
             for li in range(len(layers) - 1, -1, -1):
                 a = layers[li]
-                if zero3:
+                if zero3 and self.regathers(li):
                     prefetch = self.param_gather("zero3.params", "backward", li, *self.layer_params(a), prefetch)
                 if recompute:  # rerun the layer from its checkpointed input, then backward
                     x = self.layer(li, a, "recompute", x + prefetch)
@@ -397,8 +401,9 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         loss = self.add("loss.all-reduce", "grad-sync", None, self.comm(
             "all-reduce", LOSS_BYTES * 2 * self.ring_share(self.g_dense), self.g_dense, "other"), x, grads)
         step = self.add("adamw", "optimizer", None, self.optimizer(), self.clip_norm(x + grads + loss))
-        if w.zero_stage in (1, 2):
+        if self.zero_stage in (1, 2):
             self.param_gather("updated-params", "param-sync", None, *self.trained_params(), step)
+        self.fp8_amax(step)
         return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.passes * obj.rows_per_example,
                          tuple(self.notes))
 

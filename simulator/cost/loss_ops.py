@@ -40,14 +40,19 @@ class LossOps:
         a frozen head (its own kernel, objectives.py). Each GEMM call is one tile's rows; the
         ranks' loss rows differ little, the most loaded sets the count."""
         kernel = self.impl.loss
-        if kernel.kernel != "tiled-ce" or self.obj.frozen_embeddings:
+        if kernel.kernel == "chunked-ce" or self.obj.frozen_embeddings:
             return None
+        if kernel.kernel == "unchunked":  # one call over every row
+            return 1
         return max(1, math.ceil(float(np.max(rows)) / kernel.tile_rows))
 
     def loss_notes(self) -> list[str]:
         """What the report says about the loss kernel and the TP collectives."""
         k, out = self.impl.loss, []
-        if self.loss_tiles(self.loss_rows()) is not None:
+        if k.kernel == "unchunked" and self.loss_tiles(self.loss_rows()) is not None:
+            out.append("loss: unchunked cross-entropy over every loss row's logits at once, buffers of "
+                       f"{'+'.join(map(str, k.logits_buffers))} B per logit alive at it")
+        elif self.loss_tiles(self.loss_rows()) is not None:
             out.append(f"loss: tiled fused cross-entropy, {k.tile_rows}-row tiles with "
                        f"{k.logits_bytes or self.dt}-byte logits, logits recomputed in backward"
                        if k.recompute_logits else f"loss: tiled fused cross-entropy, {k.tile_rows}-row tiles")
@@ -55,6 +60,8 @@ class LossOps:
             tp = self.impl.tp
             out.append("tensor parallel: collectives " + ("overlapped with the GEMMs" if tp.exchange == "overlapped"
                                                           else "waited on by the next op")
+                       + (f" (backward: {'overlapped with the GEMMs' if tp.mode('backward') == 'overlapped' else 'waited on'})"
+                          if tp.mode("backward") != tp.exchange else "")
                        + ("" if tp.replay_in_recompute else ", not replayed in recompute"))
         return out
 
@@ -71,7 +78,10 @@ class LossOps:
             x = self.add(f"cross-entropy.{name}.ar", "forward", None, self.comm(
                 "all-reduce", rows * values * LOSS_BYTES * 2 * self.ring_share(self.g_tp),
                 self.g_tp, "tp"), x)
-        return self.add("cross-entropy", "forward", None, self.memory_bound(rows * V / self.tp * 4 * 3), x)
+        # fp32 passes over the logits; an unchunked loss writes and reads each of its buffers once
+        k = self.impl.loss
+        per = 2 * sum(k.logits_buffers) if k.kernel == "unchunked" and tiles is not None else 4 * 3
+        return self.add("cross-entropy", "forward", None, self.memory_bound(rows * V / self.tp * per), x)
 
     def soft_embedding(self, x: Deps) -> Deps:
         """Self-conditioning's soft embedding: the canvas's probabilities times the embedding
@@ -102,8 +112,9 @@ class LossOps:
         if tiles is not None:
             x = self.add("cross-entropy-bwd", "backward", None, self.memory_bound(
                 rows * V / self.tp * 2 * sum(kernel.backward_tile_bytes)), x)
-            x = self.add("lm-head.grad-weight.cast", "backward", None, self.memory_bound(
-                V / self.tp * h * sum(kernel.grad_weight_bytes)), x)
+            if kernel.grad_weight_bytes:
+                x = self.add("lm-head.grad-weight.cast", "backward", None, self.memory_bound(
+                    V / self.tp * h * sum(kernel.grad_weight_bytes)), x)
         if kernel.tp_grad_hidden == "all-reduce" and tiles is not None:
             return self.add("head.grad-hidden.ar", "backward", None, self.comm(
                 "all-reduce", rows * h * self.dt * 2 * self.ring_share(self.g_tp), self.g_tp, "tp"), x)
@@ -122,10 +133,15 @@ def frozen_head_workspace(model, kernel, vocab_block: int | None, tp: int) -> fl
 def loss_buffers(model, kernel, rows: np.ndarray, dt: int, tp: int) -> tuple[np.ndarray, np.ndarray]:
     """Bytes a tiled loss kernel holds per rank (implementation.md 9): in the forward one tile's
     logits; in the backward the tile's buffers, the whole [V/tp, h] weight gradient (fp32 and
-    its copy) and every loss row's input gradient (fp32 then bf16). `rows`: loss rows per rank."""
+    its copy) and every loss row's input gradient (fp32 then bf16). `rows`: loss rows per rank.
+    An unchunked loss (frameworks.md A3) is one tile of every row, its forward holding each of
+    `logits_buffers` (bf16 logits, their fp32 copy, ...) at once."""
     V = math.ceil(model.vocab / tp)
-    tile = np.minimum(rows, kernel.tile_rows)
-    forward = tile * V * (kernel.logits_bytes or dt)
+    if kernel.kernel == "unchunked":
+        tile, per = rows, sum(kernel.logits_buffers)
+    else:
+        tile, per = np.minimum(rows, kernel.tile_rows), kernel.logits_bytes or dt
+    forward = tile * V * per
     backward = (tile * V * sum(kernel.backward_tile_bytes) + V * model.hidden * sum(kernel.grad_weight_bytes)
                 + rows * model.hidden * sum(kernel.grad_hidden_bytes))
     return forward.astype(float), backward.astype(float)

@@ -19,6 +19,7 @@ import numpy as np
 
 from csbp.simulator.layout import kv_rows
 from csbp.simulator.cost import loss_ops, memory_timeline
+from csbp.simulator.cost.fp8_ops import step_linear_dtype
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.system.implementation import load_implementation
 from csbp.simulator.layout.layout import Layout, kv_row_bytes
@@ -244,13 +245,15 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     noisy = kv_rows.held(layout, "noisy") * batch
     impl = load_implementation(profile.implementation)
     family = impl.family(layout.kind, plan.transport)
+    linear_dtype = step_linear_dtype(workload, impl)
     sizes = memory_timeline.Sizes(tokens=tokens, noisy=noisy, hidden=tokens * model.hidden * dt / tp,
                                   dt=dt, tp=tp, batch=batch, family=family, impl=impl,
-                                  block=workload.block_size)
+                                  block=workload.block_size, linear_dtype=linear_dtype)
     eager = bool(profile.gpu.dense_attention)
-    weights = memory_timeline.weight_state(model, workload.zero_stage, dt, plan,
-                                           obj.frozen_embeddings, obj.frozen_router,
-                                           impl.optimizer.path(obj.name))
+    opt = impl.optimizer.path(obj.name)
+    zero = opt.stage(workload.zero_stage)  # the framework's sharding (FSDP2: 3), else the workload's
+    weights = memory_timeline.weight_state(model, zero, dt, plan, obj.frozen_embeddings, obj.frozen_router,
+                                           opt, impl.fp8.weight_cache_bytes if linear_dtype == "fp8" else 0)
     full_ckpt = workload.checkpointing == "full"
     kinds = _model_sizes(model)["kinds"]
     if eager:
@@ -262,9 +265,10 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     if not eager and obj.frozen_embeddings and impl.loss.frozen_head_rows:
         # a frozen head over row blocks: one fp32 workspace wherever the rank has loss rows
         loss = (noisy > 0) * loss_ops.frozen_head_workspace(model, impl.loss, obj.vocab_block, tp)
-    if not eager and impl.loss.kernel == "tiled-ce" and not obj.frozen_embeddings:
+    if not eager and impl.loss.kernel in ("tiled-ce", "unchunked") and not obj.frozen_embeddings:
         # the reference's tiled kernel (implementation.md 9): one tile's fp32 logits in forward,
-        # its backward buffers with the whole weight and input gradients
+        # its backward buffers with the whole weight and input gradients; unchunked (TorchTitan,
+        # frameworks.md A3): every loss row's logits and their fp32 copy at once
         rows = (tokens if obj.clean_loss else noisy) * obj.loss_row_share  # as loss_ops.loss_rows
         loss, loss_backward = loss_ops.loss_buffers(model, impl.loss, rows.astype(float), dt, tp)
     context = 0.0
@@ -275,7 +279,7 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
                                 feature_rows=shard, feature_copies=FEATURE_COPIES.get(obj.features, 1))
     retained = encoder_retained(model, layout, batch, dt, tp) if obj.retain_encoder_kv else None
     return memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
-                                workload.zero_stage, retained, loss_backward=loss_backward)
+                                zero, retained, loss_backward=loss_backward)
 
 
 def encoder_retained(model: ModelSpec, layout: Layout, batch: int, dt: int,

@@ -50,7 +50,7 @@ LABELS = {
     "layer": "recomputed layer", "scores": "attention scores", "kv": "K/V buffers",
     "dkv": "dK/dV buffers", "transient": "op buffers", "loss": "loss buffers",
     "comm": "communication buffers", "masks": "attention masks", "context": "context features",
-    "allocator": "allocator"}
+    "fp8": "FP8 weight copies", "allocator": "allocator"}
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,7 @@ class Sizes:
     # buffers: `implementation_extras`); None = none of them
     impl: object | None = None
     block: int = 1  # diffusion block size (linear attention's boundary states)
+    linear_dtype: str = "bf16"  # the blocks' linears (fp8: the implementation's FP8 copies beside them)
 
 
 @dataclass
@@ -342,7 +343,8 @@ def implementation_extras(model: ModelSpec, layout: Layout, a: AttentionSpec, s:
     - two-pass linear attention: the fp32 state at every block boundary of the rank's rows,
       kept from the clean pass through the layer's backward (saved with the attention);
     - K/V repeated at a head dim whose kernel packs few query heads: the repeated K/V beside the
-      call in forward; in backward the repacked K/V and a gradient buffer as large."""
+      call in forward; in backward the repacked K/V and a gradient buffer as large;
+    - FP8 linears: the FP8 copies (and transposes) of the MLP's largest input beside its GEMMs."""
     impl = s.impl
     if impl is None:
         return mem
@@ -353,7 +355,13 @@ def implementation_extras(model: ModelSpec, layout: Layout, a: AttentionSpec, s:
             routed = model.moe.top_k * model.hidden * unit / s.dt * (impl.moe.dispatch_bytes or s.dt)
             mem.forward = [(op, d, _merge(e, {"transient": routed}) if op == "mlp" else e) for op, d, e in mem.forward]
             mem.backward = [(op, d, _merge(e, {"transient": routed}) if op == "mlp" else e) for op, d, e in mem.backward]
-    if a.kind == "linear" and impl.linear_attention.two_passes:
+    copy = impl.fp8.activation_copy_bytes if s.linear_dtype == "fp8" else 0.0
+    if copy:  # FP8 copies of the largest linear input (the SwiGLU product into down) at its GEMM
+        ffn = model.moe.dense_ffn if model.moe else model.ffn
+        fp8 = {"transient": s.tokens * max(model.hidden, ffn / s.tp) * copy}
+        mem.forward = [(op, d, _merge(e, fp8) if op == "mlp" else e) for op, d, e in mem.forward]
+        mem.backward = [(op, d, _merge(e, fp8) if op == "mlp" else e) for op, d, e in mem.backward]
+    if a.kind == "linear" and impl.linear_attention.two_passes and np.any(s.noisy):  # ar: no noisy pass
         conv = max(a.conv_kernel - 1, 0) * (2 * a.n_kv_heads + a.n_heads) * a.head_dim * s.dt
         state = (a.n_heads * a.head_dim ** 2 * impl.linear_attention.state_bytes + conv) / s.tp
         states = s.tokens / max(s.block, 1) * state
@@ -405,31 +413,38 @@ class WeightState:
     trainable: float  # this rank's trainable parameters (elements) the optimizer updates
     replicas: int  # ranks summing the same gradients (1: no gradient sync)
     clip: float = 0.0  # gradient clipping's temporaries at the optimizer (implementation.md 8)
+    # ZeRO-3 with the root gathered once (FSDP2): the whole embedding, final norm and LM head in the
+    # step dtype, alive from the forward's start to the end of the backward
+    root_gathered: float = 0.0
+    persistent_grads: float = 0.0  # a gradient buffer alive the whole step (Megatron's main_grad)
+    fp8_cache: float = 0.0  # cached FP8 weight copies (Transformer Engine), alive the whole step
 
 
 _WEIGHTS: dict[tuple, tuple[ModelSpec, WeightState]] = {}
 
 
 def weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
-                 frozen_router: bool = False, opt=None) -> WeightState:
+                 frozen_router: bool = False, opt=None, fp8_cache_bytes: int = 0) -> WeightState:
     """Parameters, master copy, gradients and AdamW state per rank, sharded by ZeRO stage:
     stage 1 shards optimizer state and master, 2 also gradients, 3 also parameters (gathered a
     layer at a time, the next one prefetched). `opt`: the implementation's optimizer path
     (`implementation.OptimizerPath`: shard groups, buckets, state and master bytes, clipping);
-    None = its defaults. Kept per model and degrees (a search asks the same few many times)."""
+    None = its defaults. `fp8_cache_bytes`: cached FP8 copies per block-linear parameter (FP8
+    linears under Transformer Engine). Kept per model and degrees (a search asks the same few
+    many times)."""
     key = (id(model), zero, dt, plan.dp, plan.ctx, plan.tp, plan.ep, frozen_embeddings,
-           frozen_router, opt)
+           frozen_router, opt, fp8_cache_bytes)
     hit = _WEIGHTS.get(key)
     if hit is None or hit[0] is not model:
         if len(_WEIGHTS) > 4096:
             _WEIGHTS.clear()
         hit = _WEIGHTS[key] = (model, _weight_state(model, zero, dt, plan, frozen_embeddings,
-                                                    frozen_router, opt or _DEFAULT_PATH))
+                                                    frozen_router, opt or _DEFAULT_PATH, fp8_cache_bytes))
     return hit[1]
 
 
 def _weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings: bool,
-                  frozen_router: bool, opt) -> WeightState:
+                  frozen_router: bool, opt, fp8_cache_bytes: int = 0) -> WeightState:
     h = model.hidden
     if opt.shard_group == "none" and opt.expert_shard_group == "none":
         zero = 0  # replicated: every rank holds and updates all of it (a drafter, section 14)
@@ -447,34 +462,47 @@ def _weight_state(model: ModelSpec, zero: int, dt: int, plan, frozen_embeddings:
     sharded = dense / n_dense + expert / n_expert
     shard = sharded / max(trainable_full, 1.0)
     largest_layer = max(layer.values()) if layer else 0.0
-    params = ((dense + expert) if zero < 3 else sharded + 2 * largest_layer) * dt + frozen * dt
+    # ZeRO-3: the shards (in the profile's element: FSDP2 keeps fp32 ones) and two gathered
+    # layers in the step dtype (the one computing, the next prefetched)
+    params = ((dense + expert) * dt if zero < 3 else sharded * (opt.param_bytes or dt) + 2 * largest_layer * dt) \
+        + frozen * dt
+    root = embed * dt if zero >= 3 and opt.root == "gathered-once" and not frozen_embeddings else 0.0
     owned = trainable_full if zero < 1 else sharded
-    master = owned * MASTER_BYTES_PER_PARAM if dt < 4 and opt.master else 0.0
+    stored = opt.param_bytes or dt if zero >= 3 else dt
+    master = owned * MASTER_BYTES_PER_PARAM if stored < 4 and opt.master else 0.0
     tied = model.tie_embeddings
     head = 0.0 if frozen_embeddings else (model.vocab * h / plan.tp + h)
     emb = 0.0 if (frozen_embeddings or tied) else model.vocab * h / plan.tp
-    g = dt if zero < 2 else dt * shard
+    g = (opt.grad_bytes or dt) * (1.0 if zero < 2 else shard)
     widths = [model.vocab, model.ffn, *(a.n_heads * a.head_dim for a in layer)]
     if model.moe:
         widths.append(model.moe.expert_ffn)
     # gradient buckets alive through the backward (ZeRO-2): two of the largest layer, or the
     # profile's IPG buffers of the largest trainable parameter (implementation.md 8), plus the
     # flattened copy an all-reduce fallback makes of one
-    if opt.buckets == "largest-parameter":
+    if opt.buckets == "step":  # reduced once after the backward, from the gradients themselves
+        bucket = 0.0
+    elif opt.buckets == "largest-parameter":
         trained = [model.ffn, *(a.n_heads * a.head_dim for a in layer)]
         largest = max(trained + ([] if frozen_embeddings else [model.vocab])) * h / plan.tp
         flat = opt.flatten_all_reduce and opt.collective(plan) == "all-reduce"
         bucket = (opt.bucket_buffers + flat) * largest * (opt.bucket_bytes or dt)
-    else:
-        bucket = 2 * largest_layer * dt
+    else:  # a layer's whole gradients (and the one before, still reducing) in the wire's element
+        bucket = opt.bucket_buffers * largest_layer * (opt.bucket_bytes or dt)
     # clipping: each gradient slice copied at clip_temporary_bytes for its norm, one at a time
     clip = opt.clip_temporary_bytes * min(max(widths) * h / plan.tp, owned)
+    linears = sum(n * (model.mixer_params(a) + model.dense_ffn_params())
+                  for a, n in _layer_structure(model).count.items()) / plan.tp
+    # a buffer allocated before the step holds every gradient; none appear during the backward
+    persistent = trainable_full * g if opt.persistent_grads else 0.0
+    keep = 0.0 if opt.persistent_grads else 1.0
     return WeightState(
         params=params, master=master, optimizer=owned * 2 * opt.state_bytes,
-        layer_grads={a: v * g for a, v in layer.items()}, head_grads=head * g, embed_grads=emb * g,
-        grads=trainable_full * g, bucket=bucket if zero >= 2 else 0.0,
+        layer_grads={a: v * g * keep for a, v in layer.items()}, head_grads=head * g * keep,
+        embed_grads=emb * g * keep, grads=trainable_full * g * keep, bucket=bucket if zero >= 2 else 0.0,
         largest_tensor=max(widths) * h / plan.tp * 4, trainable=owned,
-        replicas=plan.dp * plan.ctx * plan.ep, clip=clip)
+        replicas=plan.dp * plan.ctx * plan.ep, clip=clip, root_gathered=root,
+        persistent_grads=persistent, fp8_cache=fp8_cache_bytes * linears)
 
 
 # ---- the walk -------------------------------------------------------------------------------
@@ -560,7 +588,10 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
              for a in shape.kinds}
     hid = sizes.hidden
     fixed = {"params": weights.params, "master": weights.master, "optimizer": weights.optimizer,
-             "context": context}
+             "context": context, "grads": weights.persistent_grads, "fp8": weights.fp8_cache}
+    after_backward = fixed  # the root (FSDP2) is resharded once its backward is done
+    if weights.root_gathered:
+        fixed = _merge(fixed, {"params": weights.root_gathered})
     if eager:
         fixed["masks"] = _sum({i: m.masks for i, m in enumerate(kinds.values())})
     first, last = shape.first, shape.last
@@ -650,11 +681,11 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
           {"grads": weights.bucket if zero >= 2 else 0.0})
     if weights.replicas > 1 and zero < 2:
         # the gradients flattened into one buffer (runtime/plans/dp.py) or DDP's buckets
-        tl.at(Moment("grad-sync", "grads.all-reduce"), fixed, {"grads": all_grads, "comm": all_grads})
+        tl.at(Moment("grad-sync", "grads.all-reduce"), after_backward, {"grads": all_grads, "comm": all_grads})
     # AdamW: per tensor (CPU: foreach off) sqrt and division temporaries of the largest tensor;
     # foreach (CUDA) one fp32 temporary list of every updated parameter
     temp = 2 * weights.largest_tensor if eager else weights.trainable * 4
-    tl.at(Moment("optimizer", "adamw"), fixed, {"grads": all_grads, "transient": temp + weights.clip})
+    tl.at(Moment("optimizer", "adamw"), after_backward, {"grads": all_grads, "transient": temp + weights.clip})
     return tl
 
 

@@ -58,6 +58,24 @@ class OptimizerOps:
         """This objective's optimizer path (an objective may run its own, e.g. a drafter)."""
         return self.cached("opt-path", lambda: self.impl.optimizer.path(self.obj.name))
 
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage that runs: the framework's (FSDP2: 3), else the workload's."""
+        return self.opt.stage(self.w.zero_stage)
+
+    def root_gather(self, x: Deps) -> Deps:
+        """ZeRO-3 with a root gathered once (FSDP2's root module: embedding, final norm, LM head):
+        one all-gather of its shards before the forward; it stays unsharded until its backward."""
+        if self.zero_stage != 3 or self.opt.root != "gathered-once":
+            return x
+        head, edge = self.edge_params()
+        return self.param_gather("zero3.root", "forward", None, head + edge, 0.0, x)
+
+    def regathers(self, li: int) -> bool:
+        """ZeRO-3: whether layer li's parameters are gathered again for its backward (FSDP2 keeps
+        the last block's from its forward: reshard_after_forward off for it)."""
+        return not (self.opt.reshard_after_forward == "all-but-last" and li == self.m.n_layers - 1)
+
     def grad_groups(self) -> tuple[Group, int, Group, int]:
         """(dense group, dense shards, expert group, expert shards): who reduces each kind of
         gradient and over how many ranks its optimizer state is cut. A shard group of `none`
@@ -67,7 +85,7 @@ class OptimizerOps:
             out = ()
             for name, replicas in ((self.opt.shard_group, ("dp", "ctx", "ep")),
                                    (self.opt.expert_shard_group, ("dp", "ctx", "tp"))):
-                sharded = name != "none" and self.w.zero_stage >= 1
+                sharded = name != "none" and self.zero_stage >= 1
                 group = self._group(_AXES[name] if name != "none" else replicas, every)
                 out += (group, group.size if sharded else 1)
             return out
@@ -96,7 +114,8 @@ class OptimizerOps:
         pending = getattr(self, "_pending", (0.0, 0.0))
         pending = (pending[0] + dense, pending[1] + expert)
         out: Deps = ()
-        if last or sum(pending) >= self.bucket_elements():
+        full = self.opt.buckets == "largest-parameter" and sum(pending) >= self.bucket_elements()
+        if last or full:  # `step` buckets: everything once the backward is over
             out = self.grad_sync(layer, *pending, x)
             pending = (0.0, 0.0)
         self._pending = pending
@@ -138,10 +157,11 @@ class OptimizerOps:
 
     def gradient_note(self) -> str:
         """How the step reduces gradients and updates weights, in one line for the report."""
-        o, w = self.opt, self.w
+        o, w, zero = self.opt, self.w, self.zero_stage
         _, n_dense, _, n_expert = self.grad_groups()
         reduce = self.reduce_collective(n_dense)
-        buckets = ("one bucket after the backward pass (nothing to hide behind)" if self.one_bucket
+        step = self.one_bucket or o.buckets == "step"
+        buckets = ("one bucket after the backward pass (nothing to hide behind)" if step
                    else "per layer bucket" if o.buckets == "layer"
                    else f"buckets of the largest trainable parameter ({o.bucket_buffers} buffers alive "
                         "through the backward)")
@@ -149,14 +169,25 @@ class OptimizerOps:
                  "dp-ctx": "the dp x ctx ranks", "dp-ctx-ep": "the dp x ctx x ep ranks",
                  "dp-ctx-tp": "the dp x ctx x tp ranks"}[o.shard_group]
         dtype = {1: "fp8", 2: "bf16", 4: "fp32"}[o.bucket_bytes] if o.bucket_bytes else w.dtype
-        return (f"gradients: {reduce} in {dtype}, {buckets}, over {group}"
-                + ("" if self.one_bucket else ", hidden behind the next layers' backward")
+        stage = (f"ZeRO-{zero} (the implementation's, whatever the workload's {w.zero_stage}); "
+                 if o.zero_stage is not None and o.zero_stage != w.zero_stage else "")
+        fsdp = ""
+        if zero == 3:
+            fsdp = ("; parameters all-gathered in bf16 a layer at a time in forward and again in backward"
+                    + (" (the last layer kept from its forward)" if o.reshard_after_forward == "all-but-last" else "")
+                    + (", the root (embedding, final norm, LM head) gathered once before the forward"
+                       if o.root == "gathered-once" else "")
+                    + (f", shards stored in {o.param_bytes} B" if o.param_bytes else ""))
+        return (stage + f"gradients: {reduce} in {dtype}, {buckets}, over {group}"
+                + ("" if step else ", hidden behind the next layers' backward")
+                + ("; a gradient buffer alive through the step" if o.persistent_grads else "")
+                + (f"; gradients kept in {o.grad_bytes} B" if o.grad_bytes else "") + fsdp
                 + ("; dense gradients all-reduced again over ep" if o.ep_dense_all_reduce and self.p.ep > 1 else "")
                 + (f"; clipping copies each gradient slice at {o.clip_temporary_bytes} B for its norm"
                    if o.clip_temporary_bytes else "")
                 + (f"; AdamW state {o.state_bytes} B per moment" + (", fp32 master" if o.master else ", no master"))
                 + ("; updated parameters all-gathered after the optimizer, not hidden behind the next step"
-                   if w.zero_stage in (1, 2) and n_dense > 1 else ""))
+                   if zero in (1, 2) and n_dense > 1 else ""))
 
     def optimizer_shard(self) -> float:
         """Parameters this rank's optimizer updates."""
@@ -169,8 +200,10 @@ class OptimizerOps:
         the weights (the fp32 master, then the step-dtype copy written; or the weights themselves
         without a master)."""
         o, dt = self.opt, self.dt
-        weights = 2 * MASTER_BYTES + dt if o.master and dt < MASTER_BYTES else 2 * dt
-        per_param = dt + 2 * 2 * o.state_bytes + weights  # 28 B: bf16, fp32 master and moments
+        stored = o.param_bytes or dt if self.zero_stage == 3 else dt  # FSDP2: fp32 shards
+        weights = 2 * MASTER_BYTES + stored if o.master and stored < MASTER_BYTES else 2 * stored
+        # 28 B by default: a bf16 gradient, fp32 master and moments, the bf16 weight written
+        per_param = (o.grad_bytes or dt) + 2 * 2 * o.state_bytes + weights
         return self.memory_bound(self.optimizer_shard() * per_param, "optimizer")
 
     def clip_norm(self, x: Deps) -> Deps:

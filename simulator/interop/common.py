@@ -34,6 +34,8 @@ CHECKPOINT_IDS = {
     "qwen3.8-27b": "Qwen/Qwen3.8-27B",
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "llama3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama2-7b": "meta-llama/Llama-2-7b-hf",
 }
 _PRESET_BY_ID = {v.lower(): k for k, v in CHECKPOINT_IDS.items()}
 

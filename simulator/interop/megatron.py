@@ -6,7 +6,11 @@ Choices that Megatron-LM leaves open, stated once:
   the 2L [noisy; clean] input that CP shards, so Megatron's "sequence divisible by 2*cp" applies
   to 2L, which is csbp's "L divisible by cp".
 - Megatron has no block-diffusion flags; `--block-size` and `--diffusion-objective` are the
-  flags a block-diffusion pretrain script adds through Megatron's `extra_args_provider`.
+  flags a block-diffusion pretrain script adds through Megatron's `extra_args_provider`. A line
+  with neither is plain Megatron pretraining: objective ar (an AR workload is written so).
+- FP8 linears: `--fp8-format hybrid` (Transformer Engine, E4M3 forward / E5M2 gradients,
+  frameworks.md B3; `e4m3` read as fp8 too). Megatron has no flag for bf16 linears: no
+  `--fp8-format` reads back as the implementation profile's linear dtype (bf16 for megatron-te).
 - The model is named by `--tokenizer-model` (a Hugging Face checkpoint id or directory); the
   shape flags are written too and, on reading, checked against that model, or used to find the
   preset when the tokenizer names none.
@@ -44,7 +48,8 @@ VALUED = {"--tokenizer-type", "--tokenizer-model", "--seq-length", "--micro-batc
           "--global-batch-size", "--tensor-model-parallel-size", "--context-parallel-size",
           "--cp-comm-type", "--expert-model-parallel-size", "--pipeline-model-parallel-size",
           "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
-          "--data-parallel-sharding-strategy", "--block-size", "--diffusion-objective"}
+          "--data-parallel-sharding-strategy", "--block-size", "--diffusion-objective", "--fp8-format"}
+FP8_FORMATS = {"hybrid": "fp8", "e4m3": "fp8"}
 SHAPES = ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
           "--num-query-groups", "--kv-channels", "--num-experts", "--moe-router-topk",
           "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size")
@@ -91,7 +96,10 @@ def emit(model_name: str, workload: Workload, plan: Plan, nodes: int, gpus_per_n
     if workload.zero_stage >= 2:
         sharding = key_for(SHARDING, workload.zero_stage)
         flags += [FSDP_FLAGS[0], f"--data-parallel-sharding-strategy {sharding}"]
-    flags += [f"--block-size {workload.block_size}", f"--diffusion-objective {workload.objective}"]
+    if workload.linear_dtype == "fp8":
+        flags.append("--fp8-format hybrid")
+    if workload.objective != "ar":  # plain Megatron pretraining is autoregressive
+        flags += [f"--block-size {workload.block_size}", f"--diffusion-objective {workload.objective}"]
     header = (f"# csbp plan {plan.label()} on {nodes} x {gpus_per_node} GPUs "
               f"(torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node}); add your data, "
               "optimizer and remaining model flags\n")
@@ -191,9 +199,12 @@ def read(text: str, *, base_dir: Path | None = None) -> ImportedRun:
     if "--bf16" in flags and "--fp16" in flags:
         raise InputError(f"{FMT}: --bf16 and --fp16 are mutually exclusive (Megatron rule)")
     micro = number("--micro-batch-size", 1)
+    diffusion = "--block-size" in flags or "--diffusion-objective" in flags
+    fp8 = flags.get("--fp8-format")
     workload = make_workload(
         FMT, seq_len=number("--seq-length", 1), block_size=number("--block-size", 256),
-        objective=objective_of(model, flags.get("--diffusion-objective")), micro_batch=micro,
+        objective=objective_of(model, flags.get("--diffusion-objective")) if diffusion else "ar",
+        linear_dtype=None if fp8 is None else choice(FMT, "--fp8-format", fp8, FP8_FORMATS), micro_batch=micro,
         dtype="bf16" if "--bf16" in flags else "fp16" if "--fp16" in flags else "fp32",
         checkpointing=_checkpointing(flags), zero_stage=_zero_stage(flags))
 

@@ -9,8 +9,11 @@ Mapping choices, stated once:
 - TP always runs with sequence parallelism in TorchTitan; CP's `context_parallel_rotate_method`
   "allgather" is csbp's collective transport, "alltoall" (K/V shards passed around) its ring.
 - TorchTitan has no block-diffusion settings: `[block_diffusion] block_size, objective` is the
-  custom JobConfig section a block-diffusion trainer adds. `[model] name` holds the csbp model
-  (a preset, checkpoint id or config.json path) the trainer registers.
+  custom JobConfig section a block-diffusion trainer adds; a file without it is a plain
+  TorchTitan job: objective ar (written so for an AR workload). `[model] name` holds the csbp
+  model (a preset, checkpoint id or config.json path) the trainer registers.
+- FP8 linears: `[float8] enable_float8_linear` (torchao Float8, frameworks.md A2); true = linear
+  dtype fp8, false = bf16, absent = the implementation profile's default.
 - `data_parallel_shard_degree = -1` (fill the rest) leaves the world size to the launcher: the
   read-back plan then has dp = 1 until `ImportedRun.plan_on(world)`.
 """
@@ -22,7 +25,7 @@ import tomllib
 from pathlib import Path
 
 from csbp.simulator.errors import InputError
-from csbp.simulator.interop.common import (ImportedRun, as_int, check_emittable, choice, flatten,
+from csbp.simulator.interop.common import (ImportedRun, as_bool, as_int, check_emittable, choice, flatten,
                                       key_for, make_plan, make_workload, objective_of,
                                       require_default_placement, resolve_model, settings,
                                       unknown_key_warnings)
@@ -52,8 +55,10 @@ DEFAULTS: dict[str, object] = {
     "parallelism.pipeline_parallel_degree": 1,
     "activation_checkpoint.mode": "selective",
     "block_diffusion.block_size": 256,
-    "block_diffusion.objective": None,  # the model's own objective
+    "block_diffusion.objective": None,  # the model's own objective (no section at all: ar)
+    "float8.enable_float8_linear": None,  # absent: the implementation profile's linear dtype
 }
+FLOAT8 = {True: "fp8", False: "bf16"}
 
 
 def _toml_value(value: object) -> str:
@@ -90,14 +95,18 @@ def emit(model_name: str, workload: Workload, plan: Plan, nodes: int, gpus_per_n
                     "pipeline_parallel_degree": 1}
     header = (f"# csbp plan {plan.label()} on {nodes} x {gpus_per_node} GPUs "
               f"(torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node})\n")
-    return header + _toml({
+    sections: dict[str, dict[str, object]] = {
         "model": {"name": model_name},
         "training": {"seq_len": workload.seq_len, "local_batch_size": workload.micro_batch,
                      "mixed_precision_param": key_for(PRECISION, workload.dtype)},
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": workload.checkpointing},
-        "block_diffusion": {"block_size": workload.block_size, "objective": workload.objective},
-    })
+    }
+    if workload.linear_dtype is not None:
+        sections["float8"] = {"enable_float8_linear": key_for(FLOAT8, workload.linear_dtype)}
+    if workload.objective != "ar":  # a plain TorchTitan job is autoregressive
+        sections["block_diffusion"] = {"block_size": workload.block_size, "objective": workload.objective}
+    return header + _toml(sections)
 
 
 def read(text: str, *, base_dir: Path | None = None) -> ImportedRun:
@@ -133,10 +142,13 @@ def read(text: str, *, base_dir: Path | None = None) -> ImportedRun:
     if ep > 1 and shard != -1 and shard % ep:
         raise InputError(f"{FMT}: parallelism.expert_parallel_degree {ep} must divide "
                          f"data_parallel_shard_degree {shard}: csbp models EP over data-parallel ranks")
+    diffusion = any(k.startswith("block_diffusion.") for k in flat)
+    float8 = get("float8.enable_float8_linear")
     workload = make_workload(
         FMT, seq_len=as_int(FMT, "training.seq_len", get("training.seq_len")),
         block_size=as_int(FMT, "block_diffusion.block_size", get("block_diffusion.block_size")),
-        objective=objective_of(model, get("block_diffusion.objective")),
+        objective=objective_of(model, get("block_diffusion.objective")) if diffusion else "ar",
+        linear_dtype=None if float8 is None else FLOAT8[as_bool(FMT, "float8.enable_float8_linear", float8)],
         micro_batch=as_int(FMT, "training.local_batch_size", get("training.local_batch_size")),
         dtype=choice(FMT, "training.mixed_precision_param", get("training.mixed_precision_param"), PRECISION),
         checkpointing=choice(FMT, "activation_checkpoint.mode", get("activation_checkpoint.mode"),

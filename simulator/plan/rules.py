@@ -57,6 +57,12 @@ def violation(model: ModelSpec, workload: Workload, plan: "Plan",
     (`Plan.check_against` checks them first): the positions rule reads its layout.
     """
     ep, tp = plan.ep, plan.tp
+    if implementation is not None:  # a framework without the plan's family (implementation.plan_families)
+        from csbp.simulator.system.implementation import load_implementation
+
+        refused = load_implementation(implementation).refusal(plan.kind, plan.transport)
+        if refused:
+            return refused
     if ep > 1 and not model.is_moe:
         return f"ep={ep} needs a MoE model; {model.name} is dense"
     if model.moe and model.moe.n_experts % ep:

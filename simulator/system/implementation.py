@@ -91,6 +91,7 @@ class Family(BaseModel):
 
 
 ShardGroup = Literal["dp-ctx-ep", "dp-ctx", "dp-ctx-tp", "none"]
+Buckets = Literal["layer", "largest-parameter", "step"]
 Reduce = Literal["reduce-scatter", "all-reduce"]
 _Bytes = Annotated[int, Field(ge=0, le=8, strict=True), FIGURE]
 
@@ -115,8 +116,9 @@ class OptimizerPath(BaseModel):
     # without ep: the EP peers hold the same dense weights)
     ep_dense_all_reduce: _Bool = False
     # layer: one bucket per layer, reduced after its backward; largest-parameter: buckets the
-    # size of the largest trainable parameter (the embedding), reduced when one fills
-    buckets: Annotated[Literal["layer", "largest-parameter"], FIGURE] = "layer"
+    # size of the largest trainable parameter (the embedding), reduced when one fills; step:
+    # every gradient in one call after the backward (Megatron's overlap_grad_reduce off)
+    buckets: Annotated[Buckets, FIGURE] = "layer"
     bucket_buffers: Annotated[int, Field(ge=1, strict=True), FIGURE] = 2
     bucket_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None  # None: the step dtype
     # an all-reduced bucket is first flattened into one more buffer (a fallback's copy)
@@ -124,6 +126,25 @@ class OptimizerPath(BaseModel):
     clip_temporary_bytes: _Bytes = 0  # per element of the gradient tensor the norm reads (0: none)
     state_bytes: Annotated[int, Field(ge=1, le=8, strict=True), FIGURE] = 4  # each Adam moment
     master: _Bool = True  # an fp32 master copy of weights trained in a lower precision
+    # the framework's sharding whatever the workload's ZeRO stage (FSDP2: 3, parameters gathered
+    # a layer at a time; Megatron's distributed optimizer: 1); None: the workload's stage
+    zero_stage: Annotated[int | None, Field(ge=0, le=3), FIGURE] = None
+    # element of the parameter shards a rank stores under ZeRO-3 (FSDP2 keeps them in fp32 and
+    # casts on the gather: they are the master); None: the step dtype
+    param_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None
+    # element of the gradients a rank keeps, sharded or whole (Megatron's fp32 main_grad, FSDP2's
+    # fp32 reduce dtype); None: the step dtype
+    grad_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None
+    # the gradient buffer is allocated before the step and alive throughout (Megatron's
+    # contiguous grad buffer, reduced in place); false: gradients appear as the backward makes them
+    persistent_grads: _Bool = False
+    # ZeRO-3: the layers whose parameters are freed after their forward and gathered again in
+    # backward: all, or all but the last (FSDP2 keeps the last block's for its backward)
+    reshard_after_forward: Annotated[Literal["all", "all-but-last"], FIGURE] = "all"
+    # ZeRO-3: the root (embedding, final norm, LM head): `not-gathered` prices its shards as if
+    # each rank held them (the default [U]); `gathered-once`: one all-gather before the forward,
+    # unsharded until its backward is done (FSDP2's root module, not resharded after forward)
+    root: Annotated[Literal["not-gathered", "gathered-once"], FIGURE] = "not-gathered"
 
     def dense_group(self, plan) -> int:
         return _group_size(self.shard_group, plan)
@@ -133,6 +154,10 @@ class OptimizerPath(BaseModel):
 
     def collective(self, plan) -> Reduce:
         return self.reduce_with_ep or self.reduce if plan.ep > 1 else self.reduce
+
+    def stage(self, workload_stage: int) -> int:
+        """The ZeRO stage that runs: the framework's, else the workload's."""
+        return workload_stage if self.zero_stage is None else self.zero_stage
 
 
 def _group_size(group: ShardGroup, plan) -> int:
@@ -151,13 +176,19 @@ class OptimizerOverride(BaseModel):
     reduce: Annotated[Reduce | None, FIGURE] = None
     reduce_with_ep: Annotated[Reduce | None, FIGURE] = None
     ep_dense_all_reduce: Annotated[bool | None, FIGURE] = None
-    buckets: Annotated[Literal["layer", "largest-parameter"] | None, FIGURE] = None
+    buckets: Annotated[Buckets | None, FIGURE] = None
     bucket_buffers: Annotated[int | None, Field(ge=1), FIGURE] = None
     bucket_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None
     flatten_all_reduce: Annotated[bool | None, FIGURE] = None
     clip_temporary_bytes: Annotated[int | None, Field(ge=0, le=8), FIGURE] = None
     state_bytes: Annotated[int | None, Field(ge=1, le=8), FIGURE] = None
     master: Annotated[bool | None, FIGURE] = None
+    zero_stage: Annotated[int | None, Field(ge=0, le=3), FIGURE] = None
+    param_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None
+    grad_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None
+    persistent_grads: Annotated[bool | None, FIGURE] = None
+    reshard_after_forward: Annotated[Literal["all", "all-but-last"] | None, FIGURE] = None
+    root: Annotated[Literal["not-gathered", "gathered-once"] | None, FIGURE] = None
 
 
 class Optimizer(OptimizerPath):
@@ -188,8 +219,13 @@ class LossKernel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # chunked-ce: Liger-Kernel's chunks (memory.loss_chunk_tokens), gradients made in the
-    # forward; tiled-ce: fixed row tiles, logits recomputed in backward
-    kernel: Annotated[Literal["chunked-ce", "tiled-ce"], FIGURE] = "chunked-ce"
+    # forward; tiled-ce: fixed row tiles, logits recomputed in backward; unchunked: the head
+    # over every loss row at once, then cross-entropy over the whole [rows, V/tp] logits
+    # (`logits_buffers` alive at it, `backward_tile_bytes` at its backward)
+    kernel: Annotated[Literal["chunked-ce", "tiled-ce", "unchunked"], FIGURE] = "chunked-ce"
+    # unchunked: bytes per [row, V/tp] element of each buffer alive at the forward's
+    # cross-entropy (TorchTitan: the bf16 logits and their fp32 copy, ...)
+    logits_buffers: Annotated[tuple[int, ...], FIGURE] = ()
     tile_rows: Annotated[int | None, Field(ge=1), FIGURE] = None  # tiled-ce: rows per tile
     logits_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None  # None: the step dtype
     # tiled-ce backward: bytes per element of each buffer it allocates (one entry per buffer)
@@ -209,6 +245,8 @@ class LossKernel(BaseModel):
     def _tiles(self) -> "LossKernel":
         if self.kernel == "tiled-ce" and self.tile_rows is None:
             raise ValueError("a tiled-ce loss needs tile_rows")
+        if self.kernel == "unchunked" and not self.logits_buffers:
+            raise ValueError("an unchunked loss needs logits_buffers (bytes of each [row, vocab] buffer)")
         return self
 
 
@@ -220,7 +258,14 @@ class TensorParallelRun(BaseModel):
     # waited: the next op waits for the collective; overlapped: GEMM/collective overlap
     # (userbuffers-style), the layer's end waits for both
     exchange: Annotated[Literal["waited", "overlapped"], FIGURE] = "waited"
+    # the backward's collectives when they run otherwise (Transformer Engine overlaps the norm
+    # output's all-gather with dgrad and the reduce-scatter with wgrad); None: as `exchange`
+    backward_exchange: Annotated[Literal["waited", "overlapped"] | None, FIGURE] = None
     replay_in_recompute: _Bool = True  # a recomputed layer runs its collectives again
+
+    def mode(self, phase: str) -> str:
+        """How the phase's TP collectives run: waited or overlapped."""
+        return self.backward_exchange or self.exchange if phase == "backward" else self.exchange
 
 
 class MoE(BaseModel):
@@ -262,6 +307,37 @@ class LinearAttention(BaseModel):
     cp_moves_noisy: _Bool = False
 
 
+class FP8Linears(BaseModel):
+    """What a framework runs around the transformer blocks' linears when they run FP8 (torchao
+    Float8, Transformer Engine; frameworks.md A2, B3); the FP8 GEMM's own speed is the hardware
+    profile's, the linear dtype the workload's or the profile's `linear_dtype`. Defaults:
+    nothing cast or cached.
+
+    Cast traffic is HBM bytes per element of the tensor cast, summing every pass a framework makes
+    over it (amax reduction, scale-and-cast, transposed copy); priced as memory-bound ops."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # the GEMMs of each block linear that run FP8 when the linear dtype is fp8 (the rest bf16)
+    gemms: Annotated[tuple[Literal["forward", "dgrad", "wgrad"], ...], FIGURE] = ("forward", "dgrad", "wgrad")
+    # per element of each linear's input in forward (and recompute), of each linear's output
+    # gradient in backward, and of each input recast in backward (a framework that saves the
+    # high-precision input casts it again for wgrad)
+    activation_cast_bytes: _NonNegative = 0.0
+    gradient_cast_bytes: _NonNegative = 0.0
+    backward_input_cast_bytes: _NonNegative = 0.0
+    # per weight element: each forward pass (recompute included) casts the weights again, or
+    # (`weight_cache_bytes` > 0) once per step into cached copies alive the whole step
+    weight_cast_bytes: _NonNegative = 0.0
+    backward_weight_cast_bytes: _NonNegative = 0.0  # per weight element in backward (a transposed cast)
+    weight_cache_bytes: _Bytes = 0  # cached FP8 weight copies per parameter (TE: FP8 + its transpose)
+    # FP8 copies of a linear's input alive beside its GEMM, bytes per input element
+    activation_copy_bytes: _NonNegative = 0.0
+    # one all-reduce of every linear's weight amax over the shard group after the optimizer step
+    # (torchao's precompute_float8_dynamic_scale_for_fsdp)
+    amax_all_reduce: _Bool = False
+
+
 class HeadDimCopy(BaseModel):
     """K/V repeated before attention at one head dim: a kernel that packs at most `max_group`
     query heads per K/V head repeats each K/V head ceil(group / max_group) times."""
@@ -293,6 +369,13 @@ class Implementation(BaseModel):
     moe: MoE = Field(default_factory=MoE)  # experts and the EP exchange
     linear_attention: LinearAttention = Field(default_factory=LinearAttention)
     head_dim_copies: Annotated[tuple[HeadDimCopy, ...], FIGURE] = ()  # K/V repeats per head dim
+    # the transformer blocks' linear GEMMs when the workload names no dtype (None: bf16); all
+    # three GEMMs of each block linear run in it, the LM head stays bf16 (linear_ops.LinearGemmOps)
+    linear_dtype: Annotated[Literal["bf16", "fp8"] | None, FIGURE] = None
+    fp8: FP8Linears = Field(default_factory=FP8Linears)  # casts and copies around FP8 linears
+    # the plan families this framework can run (a plan of another is refused in one line,
+    # plan/rules.py); empty: every family
+    plan_families: Annotated[tuple[str, ...], FIGURE] = ()
     sources: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -318,6 +401,9 @@ class Implementation(BaseModel):
         unknown = sorted(set(self.families) - set(FAMILIES))
         if unknown:
             raise ValueError(f"unknown plan families {unknown}: use {', '.join(FAMILIES)}")
+        unknown = sorted(set(self.plan_families) - set(FAMILIES))
+        if unknown:
+            raise ValueError(f"plan_families {unknown}: use {', '.join(FAMILIES)}")
         for name, fam in self.families.items():
             for p in (fam.forward, fam.recompute, fam.backward):
                 if p is not None and p.split == "noisy-prefix" and name != "csbp":
@@ -325,12 +411,24 @@ class Implementation(BaseModel):
                                      "whole clean sequence on each rank after the exchange (csbp only)")
         return self
 
+    @staticmethod
+    def family_name(kind: str, transport: str) -> str:
+        """The plan family of a layout kind (single, dp, bp, cp, csbp) and transport."""
+        name = {"single": "dp"}.get(kind, kind)
+        return name + "-ring" if name in ("cp", "csbp") and transport == "ring" else name
+
     def family(self, kind: str, transport: str) -> Family:
         """What runs for a plan of this layout kind (single, dp, bp, cp, csbp) and transport."""
-        name = {"single": "dp"}.get(kind, kind)
-        if name in ("cp", "csbp") and transport == "ring":
-            name += "-ring"
-        return self.families.get(name) or Family()
+        return self.families.get(self.family_name(kind, transport)) or Family()
+
+    def refusal(self, kind: str, transport: str) -> str | None:
+        """One line when this framework cannot run the plan family at all; None when it can."""
+        name = self.family_name(kind, transport)
+        if not self.plan_families or name in self.plan_families:
+            return None
+        return (f"implementation {self.name!r} cannot run {name} plans (it runs "
+                f"{', '.join(self.plan_families)})")
+
 
     def kernels(self) -> set[str]:
         """Every kernel family this implementation names (a profile must list them)."""
