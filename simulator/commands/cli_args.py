@@ -57,6 +57,15 @@ def add_workload_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> N
                         "preset's recipe, else 32768)")
 
 
+def add_linear_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """`--linear-dtype` (simulate, plan, sweep, map): the dtype of the transformer blocks' linear
+    GEMMs; not on `csbp run`, whose runtime trains in the step dtype only."""
+    p.add_argument("--linear-dtype", default=None, choices=["bf16", "fp8"],
+                   help="the transformer blocks' linear GEMMs (forward, dgrad, wgrad) in bf16 or FP8 "
+                        "as torchao Float8 / Transformer Engine run them; the LM head and attention "
+                        "stay bf16 (default: the implementation profile's, else bf16)")
+
+
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="profile name or YAML path")
     p.add_argument("--nodes", type=node_count, default=DEFAULT_NODES,
@@ -135,7 +144,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
             seq_len=parse_tokens(args.seq_len),
             objective=objective, micro_batch=args.micro_batch, dtype=args.dtype,
             checkpointing=args.checkpointing or recipe_checkpointing(objective) or "full",
-            zero_stage=args.zero, **(recipe | flags))
+            zero_stage=args.zero, linear_dtype=getattr(args, "linear_dtype", None), **(recipe | flags))
     except (ValidationError, ValueError) as err:
         raise InputError(one_line(err)) from None
     check_size(workload)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from csbp.simulator.commands.cli_args import DEFAULT_HARDWARE, add_what_if_arg, profile_from_args
+from csbp.simulator.commands.cli_args import DEFAULT_HARDWARE, add_linear_dtype_arg, add_what_if_arg, profile_from_args
 from csbp.simulator.commands.plan import console, parse_axes
 from csbp.simulator.errors import InputError
 from csbp.simulator.plan.plan import AXES
@@ -27,6 +27,7 @@ def add_grid_args(p: argparse.ArgumentParser, *, seq_lens: str, gpus: str, out_d
     p.add_argument("--seq-lens", default=seq_lens, help="comma-separated context lengths")
     p.add_argument("--gpus", default=gpus, help="comma-separated GPU counts (whole nodes)")
     p.add_argument("--block-size", type=int, default=256, help="diffusion block size b")
+    add_linear_dtype_arg(p)
     p.add_argument("--axes", default=",".join(AXES), help="axes the search may use (default: all)")
     p.add_argument("--engine", default="des", choices=["des", "closed-form"],
                    help=f"engine of the final ranking in each {unit}, as in csbp plan (closed-form: fastest)")
@@ -58,8 +59,10 @@ def search_grid(args: argparse.Namespace, models: list[str], title: str, describ
     axes = parse_axes(args.axes)
     what_if = profile_from_args(args)
     profile = what_if.profile
+    if args.linear_dtype == "fp8":  # refused once, in one line, not per cell
+        profile.gpu.gemm_rate(fp8=True)
     grid = cells(models, split_list(args.seq_lens, "seq-lens"), split_list(args.gpus, "gpus"),
-                 profile, args.block_size)
+                 profile, args.block_size, linear_dtype=args.linear_dtype)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -70,7 +73,7 @@ def search_grid(args: argparse.Namespace, models: list[str], title: str, describ
             bar.update(task, advance=1, description=describe(cell))
 
         answers = search_cells(grid, profile, block_size=args.block_size, engine=args.engine,
-                               axes=axes, jobs=jobs, on_done=done)
+                               axes=axes, jobs=jobs, on_done=done, linear_dtype=args.linear_dtype)
     return Searched(answers, what_if, out_dir, len(grid), jobs)
 
 

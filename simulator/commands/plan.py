@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from csbp.simulator.commands.cli_args import (DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_NODES, DEFAULT_SEQ_LEN,
-                                add_cluster_args, add_from_arg, add_workload_args, imported_inputs,
-                                inputs_from_args, profile_from_args)
+                                add_cluster_args, add_from_arg, add_linear_dtype_arg, add_workload_args,
+                                imported_inputs, inputs_from_args, profile_from_args)
 from csbp.simulator.errors import InputError
 from csbp.simulator.workload.objectives import recipe_checkpointing
 from csbp.simulator.plan.plan import AXES, DEFAULT_PLACEMENT
@@ -38,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "the closed form, re-simulate the best with the event engine and "
                                    f"rank by tokens/s. With no flags: {DEFAULT_JOB}.")
     add_workload_args(p)
+    add_linear_dtype_arg(p)
     add_cluster_args(p)
     p.set_defaults(checkpointing=None)  # searched unless given
     p.add_argument("--axes", default=",".join(AXES),
@@ -288,7 +289,10 @@ def _gib(x: float | None) -> str:
 
 def _summary(r: Result) -> str:
     own = f" ({r.objective_tokens_per_s:,.0f} {r.objective_label})" if r.objective_tokens_per_s else ""
-    return (f"{r.tokens_per_s:,.0f} tokens/s{own}, step {fmt_time(r.step_time_s)}, peak memory "
+    per_gpu = (f" ({r.tokens_per_s_per_gpu:,.0f} per GPU"
+               + (f", {r.model_tflops_per_gpu:,.0f} model TFLOP/s per GPU" if r.model_tflops_per_gpu else "")
+               + ")") if r.tokens_per_s_per_gpu else ""
+    return (f"{r.tokens_per_s:,.0f} tokens/s{per_gpu}{own}, step {fmt_time(r.step_time_s)}, peak memory "
             f"{_gib(r.peak_memory_gib)}, attention traffic {r.attention_traffic_gib_per_gpu:.2f} GiB/GPU, "
             f"exposed communication {fmt_time(r.exposed_comm_s)}")
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from csbp.simulator.commands.cli_args import (add_cluster_args, add_from_arg, add_plan_args, add_workload_args,
-                                imported_inputs, inputs_from_args, plan_from_args, profile_from_args)
+from csbp.simulator.commands.cli_args import (add_cluster_args, add_from_arg, add_linear_dtype_arg, add_plan_args,
+                                add_workload_args, imported_inputs, inputs_from_args, plan_from_args,
+                                profile_from_args)
 from csbp.simulator.report.report import print_json, print_result
 
 
@@ -14,6 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Simulate one training step of a plan. Defaults: "
                                    "nemotron-diffusion-8b, 256K context, 2 x 8 H200, dp=2,cp=8,bp=8.")
     add_workload_args(p)
+    add_linear_dtype_arg(p)
     add_cluster_args(p)
     add_plan_args(p)
     p.set_defaults(plan="dp=2,cp=8,bp=8")

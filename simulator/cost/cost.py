@@ -44,6 +44,10 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
         if family is not None:  # a GEMM family (grouped experts); `best`: or the dense curve
             eff = np.maximum(eff, family) if work.kernel == "best" else np.full_like(eff, family)
         busy = flops / (gpu.peak_tflops * 1e12 * eff)
+        if work.fp8_share:  # FP8 linears: that share at the FP8 peak and curve, read at the same size
+            fp8_peak, fp8_curve = gpu.gemm_rate(fp8=True)
+            fp8_busy = flops / (fp8_peak * 1e12 * along(fp8_curve, flops / work.kernels / 1e9))
+            busy = busy * (1 - work.fp8_share) + fp8_busy * work.fp8_share
     elif work.kind in ("linear-fwd", "linear-bwd") and \
             (lin := gpu.linear_efficiency(work.kernel, work.kind == "linear-bwd")) is not None:
         busy = flops / (gpu.peak_tflops * 1e12 * lin)

@@ -28,7 +28,7 @@ from csbp.simulator.cost.layer_template import _LayerTemplate
 from csbp.simulator.layout.layout import Layout
 from csbp.simulator.layout.layout import clear_caches as clear_layout_caches
 from csbp.simulator.cost.linear_ops import (DELTA_RULE_CHUNK, LINEAR_STATE_BYTES,  # noqa: F401 (re-exported)
-                                       LinearAttentionOps, delta_rule_flops_per_token)
+                                       LinearAttentionOps, LinearGemmOps, delta_rule_flops_per_token)
 from csbp.simulator.cost.fp8_ops import FP8Ops
 from csbp.simulator.cost.loss_ops import LossOps
 from csbp.simulator.cost.moe_ops import MoEOps
@@ -121,7 +121,8 @@ class StepGraph:
 # ---- the builder --------------------------------------------------------------------------------
 
 
-class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, OptimizerOps, FP8Ops):
+class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, ObjectiveOps, LossOps, OptimizerOps,
+               FP8Ops):
     """Appends the ops of one step in program order; each helper returns the ops that end it."""
 
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -286,13 +287,13 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         x = self.tp_step("attn-in.ag", phase, li, self.tp_collective("all-gather"), x)
         x = self.add("norm-rope", phase, li, norm_work, x)
         x = self.add("fp8.cast", phase, li, c(("fp8", a, phase), lambda: self.fp8_casts(a, phase)), x)
-        x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.gemm(f_in)), x)
+        x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.linear_gemm(f_in)), x)
         x = self.add("context-kv", phase, li, c(("ctx-kv", a), lambda: self.context_kv(a, 1.0)), x)
         if a.kind == "linear":
             x = self.linear_forward(li, a, phase, x)
         else:
             x = self.attention_forward(li, a, phase, x)
-        x = self.add("out-proj", phase, li, c(("out", a), lambda: self.gemm(f_out)), x)
+        x = self.add("out-proj", phase, li, c(("out", a), lambda: self.linear_gemm(f_out)), x)
         x = self.tp_step("attn-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
         x = self.tp_step("mlp-in.ag", phase, li, self.mlp_collective("all-gather"), x)
         x = self.add("norm-swiglu", phase, li, norm_work, x)
@@ -306,8 +307,8 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         ratio = GEMM_BACKWARD_FLOP_RATIO if backward else 1.0
         kernels = 4 if backward else 2  # gate+up and down GEMMs (dgrad and wgrad of each)
         if m.moe is None:
-            return self.add("mlp", phase, li, self.cached(("mlp", backward), lambda: self.gemm(
-                ratio * 2 * self.tokens * 3 * h * m.ffn / self.tp, kernels)), x)
+            return self.add("mlp", phase, li, self.cached(("mlp", backward), lambda: self.linear_gemm(
+                ratio * 2 * self.tokens * 3 * h * m.ffn / self.tp, kernels, backward)), x)
         return self.moe_ffn(li, phase, x, backward)  # moe_ops.py
 
     def layer_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
@@ -320,13 +321,13 @@ class _Builder(AttentionOps, LinearAttentionOps, MoEOps, ObjectiveOps, LossOps, 
         x = self.add("norm-swiglu-bwd", "backward", li, norm_work, x)
         x = self.tp_step("mlp-in.rs-bwd", "backward", li, self.mlp_collective("reduce-scatter"), x)
         x = self.tp_step("attn-out.ag-bwd", "backward", li, self.tp_collective("all-gather"), x)
-        x = self.add("out-proj-bwd", "backward", li, c(("outb", a), lambda: self.gemm(g * f_out, 2)), x)
+        x = self.add("out-proj-bwd", "backward", li, c(("outb", a), lambda: self.linear_gemm(g * f_out, 2, True)), x)
         if a.kind == "linear":
             x = self.linear_backward(li, a, x)
         else:
             x = self.attention_backward(li, a, x)
         x = self.add("context-kv-bwd", "backward", li, c(("ctx-kvb", a), lambda: self.context_kv(a, g)), x)
-        x = self.add("qkv-bwd", "backward", li, c(("qkvb", a), lambda: self.gemm(g * f_in, 2)), x)
+        x = self.add("qkv-bwd", "backward", li, c(("qkvb", a), lambda: self.linear_gemm(g * f_in, 2, True)), x)
         x = self.add("norm-rope-bwd", "backward", li, norm_work, x)
         return self.tp_step("attn-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x) + self.tp_side()
 

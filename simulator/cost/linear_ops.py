@@ -1,6 +1,10 @@
-"""The step graph's linear-attention (Gated-DeltaNet) layers: the chunked delta rule, the
-sequence<->head all-to-all around it under CP/CSBP, and the clean prefix's states at block
-boundaries routed to the noisy blocks' owners (implementation.md 4). A mixin of the builder.
+"""The step graph's linear ops, two mixins of the builder:
+
+- the transformer blocks' linear GEMMs (attention projections, dense MLP) at the step's linear
+  dtype: bf16, or FP8 as torchao Float8 and Transformer Engine run them (frameworks.md A2, B3);
+- linear-attention (Gated-DeltaNet) layers: the chunked delta rule, the sequence<->head
+  all-to-all around it under CP/CSBP, and the clean prefix's states at block boundaries routed
+  to the noisy blocks' owners (implementation.md 4).
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from dataclasses import replace
 import numpy as np
 
 from csbp.simulator.cost.attention_ops import ATTENTION_BACKWARD_FLOP_RATIO
+from csbp.simulator.system.implementation import DEFAULT_IMPLEMENTATION, Implementation, load_implementation
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.cost.step_ops import Collective, Comm, Compute, Deps, Phase
+from csbp.simulator.workload.workload import Workload
 
 # Chunk length of the chunked (gated) delta rule in flash-linear-attention (chunk_size = 64).
 DELTA_RULE_CHUNK = 64
@@ -19,6 +25,55 @@ DELTA_RULE_CHUNK = 64
 # Bytes per element of a linear-attention recurrent state passed between ranks: fp32, as chunked
 # delta-rule kernels keep their state (assumed [U]; bf16 would halve the boundary-state traffic).
 LINEAR_STATE_BYTES = 4
+
+
+def resolve_linear_dtype(workload: Workload, implementation: "Implementation | str | None" = None) -> str:
+    """The dtype of the blocks' linear GEMMs: the workload's (`--linear-dtype`), else the
+    implementation profile's `linear_dtype` (absent or None: it names none), else bf16."""
+    if workload.linear_dtype is not None:
+        return workload.linear_dtype
+    impl = load_implementation(implementation or DEFAULT_IMPLEMENTATION)
+    return getattr(impl, "linear_dtype", None) or "bf16"
+
+
+FP8_NOTE = ("linear dtype fp8: the blocks' linear GEMMs (q/k/v and output projections, dense MLP) "
+            "that the implementation runs in FP8 (forward, dgrad, wgrad) at the GPU's FP8 peak and "
+            "FP8 GEMM curve (frameworks.md A2, B3); the LM head, attention, norms, MoE experts and "
+            "router and a drafter's context K/V projections stay in the step's dtype")
+
+GEMMS = ("forward", "dgrad", "wgrad")  # the three GEMMs of a linear (dgrad and wgrad: equal FLOPs)
+
+
+class LinearGemmOps:
+    """The transformer blocks' linear GEMMs (mixed into the builder): q/k/v and output
+    projections and the dense SwiGLU MLP, forward and backward, at the step's linear dtype.
+
+    FP8 as torchao Float8 (TorchTitan, frameworks.md A2) and Transformer Engine (Megatron, B3)
+    run it: the forward, dgrad and wgrad GEMMs of each block linear in FP8, while the output
+    projection (LM head), attention and norms stay bf16. Only the GEMMs' rate changes here (the
+    GPU's `fp8_peak_tflops` and `fp8_gemm_efficiency`, `cost.compute_seconds`), not their FLOPs;
+    which GEMMs run FP8, and the casts, amax and FP8 weight copies around them, are the
+    implementation's (`fp8_ops.FP8Ops.fp8_gemm` where the builder has it, else all three when the
+    linear dtype is fp8). MoE experts (grouped GEMMs) stay bf16 [U: neither framework's FP8
+    expert path is in frameworks.md]."""
+
+    def fp8_share(self, gemms: tuple[str, ...]) -> float:
+        """Share of the FLOPs of `gemms` (GEMMs of equal FLOPs) that run FP8."""
+        which = getattr(self, "fp8_gemm", None)  # the implementation's choice (fp8_ops.py)
+        if which is None:
+            fp8 = self.cached(("linear-dtype",), lambda: resolve_linear_dtype(self.w, self.impl)) == "fp8"
+            share = 1.0 if fp8 else 0.0
+        else:
+            share = sum(bool(which(g)) for g in gemms) / len(gemms)
+        if share and FP8_NOTE not in self.notes:  # a sub-pass shares the notes
+            self.notes.append(FP8_NOTE)
+        return share
+
+    def linear_gemm(self, flops, kernels: int = 1, backward: bool = False) -> Compute:
+        """A block linear's GEMM(s): `flops` split into `kernels` calls, forward or (`backward`)
+        dgrad + wgrad, each GEMM at its dtype."""
+        share = self.fp8_share(GEMMS[1:] if backward else GEMMS[:1])
+        return Compute("gemm", self.per_rank(flops), self.per_rank(0), kernels, fp8_share=share)
 
 
 def delta_rule_flops_per_token(head_dim_k: int, head_dim_v: int, chunk: int = DELTA_RULE_CHUNK) -> float:
@@ -60,7 +115,7 @@ class LinearAttentionOps:
         A state is heads x dk x dv in fp32 (the chunked kernels' state dtype, assumed [U]) plus
         the conv's last conv_kernel - 1 inputs in the compute dtype, split over TP by heads.
         """
-        if self.lay.kind not in ("cp", "csbp"):
+        if self.lay.kind not in ("cp", "csbp") or self.obj.causal:  # ar: no noisy block restarts
             return None
         n = len(self.cp_sync[0])
         if self.moves_noisy():  # noisy rows head-parallel too: each rank has its heads' states
@@ -87,7 +142,7 @@ class LinearAttentionOps:
     def states_io(self, a: AttentionSpec) -> Compute | None:
         """Two passes: the clean pass writes a state at every block boundary of its rows, the
         noisy pass reads the one each of its blocks starts from (HBM traffic)."""
-        if not self.impl.linear_attention.two_passes:
+        if not self.impl.linear_attention.two_passes or self.obj.causal:  # ar: no noisy blocks
             return None
         blocks = self.tokens / self.w.block_size  # clean boundaries written + noisy starts read
         return self.memory_bound(blocks * self.state_bytes(a))

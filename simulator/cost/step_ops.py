@@ -81,6 +81,9 @@ class Compute:
     readers: int = 1  # storage-read: ranks of one node reading at once (they share its storage)
     shape_x: float = 0.0  # gemm of a kernel family (`kernel`): the x its curve is read at (expert width)
     head_dim: int = 0  # attention: the head dim (kernel families' head-dim factors); 0: the curves'
+    # gemm: the share of its FLOPs run in FP8 at the GPU's FP8 peak and curve (a block linear's
+    # forward, or the dgrad and wgrad halves of its backward: linear_ops.LinearGemmOps)
+    fp8_share: float = 0.0
 
 @dataclass(frozen=True)
 class Comm:

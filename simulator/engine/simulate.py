@@ -20,6 +20,7 @@ from csbp.simulator.workload.objectives import as_executed, counted_tokens_per_e
 from csbp.simulator.layout.layout import Layout, kv_row_bytes
 from csbp.simulator.cost.memory import estimate_memory
 from csbp.simulator.plan.plan import Plan
+from csbp.simulator.report.model_flops import per_gpu
 from csbp.simulator.report.result import GIB, Result
 from csbp.simulator.workload.spec import ModelSpec
 from csbp.simulator.workload.workload import Workload
@@ -90,6 +91,9 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     peak = profile.gpu.peak_tflops * 1e12
     counted = counted_tokens_per_example(workload)  # the objective's own count (section 15)
     examples_per_s = workload.micro_batch * plan.sequences / step if memory.feasible and step > 0 else None
+    tokens_per_s = workload.seq_len * workload.micro_batch * plan.sequences / step \
+        if memory.feasible and step > 0 else None
+    per_gpu_tokens, model_tflops = per_gpu(model, workload, plan, gpus, step, tokens_per_s)
     return Result(
         feasible=memory.feasible,
         reason=memory.reason,
@@ -102,8 +106,9 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         workload=workload.model_dump(),
         engine=used,
         step_time_s=step,
-        tokens_per_s=workload.seq_len * workload.micro_batch * plan.sequences / step
-        if memory.feasible and step > 0 else None,
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_per_gpu=per_gpu_tokens,
+        model_tflops_per_gpu=model_tflops,
         objective_tokens_name=counted[0] if counted else None,
         objective_tokens_per_s=counted[1] * examples_per_s if counted and examples_per_s else None,
         peak_memory_gib=memory.peak_gib,

@@ -66,7 +66,7 @@ def gpu_counts(gpus: Iterable[str], profile: HardwareProfile) -> list[int]:
 
 
 def cells(models: Iterable[str], seq_lens: Iterable[str], gpus: Iterable[str],
-          profile: HardwareProfile, block_size: int = 256) -> list[Cell]:
+          profile: HardwareProfile, block_size: int = 256, linear_dtype: str | None = None) -> list[Cell]:
     """The grid, validated before any work starts: a bad name fails now, not an hour in."""
     models = list(models)
     counts = gpu_counts(gpus, profile)
@@ -76,19 +76,20 @@ def cells(models: Iterable[str], seq_lens: Iterable[str], gpus: Iterable[str],
             lengths.append(parse_tokens(s))
         except ValueError as err:
             raise InputError(str(err)) from None
-    flags = workload_defaults(block_size)
+    flags = workload_defaults(block_size, linear_dtype)
     for m in models:  # unknown model or seq-len / block-size mismatch: one line, exit 2
         for L in lengths:
             workload_inputs(m, L, flags)
     return [Cell(m, L, n) for m in models for L in lengths for n in counts]
 
 
-def workload_defaults(block_size: int = 256) -> argparse.Namespace:
+def workload_defaults(block_size: int = 256, linear_dtype: str | None = None) -> argparse.Namespace:
     """The shared workload flags' defaults, so a cell means what `csbp plan` means."""
     parser = argparse.ArgumentParser(add_help=False)
     add_workload_args(parser)
     flags = parser.parse_args([])
     flags.block_size = block_size
+    flags.linear_dtype = linear_dtype  # --linear-dtype (None: the implementation's)
     return flags
 
 
@@ -112,14 +113,15 @@ def search_cell(cell: Cell, profile: HardwareProfile, flags: argparse.Namespace,
 
 def search_cells(grid: list[Cell], profile: HardwareProfile, *, block_size: int = 256,
                  engine: str = "des", axes: tuple[str, ...] = AXES, jobs: int = 1,
-                 on_done: Callable[[Cell], None] = lambda c: None) -> list[CellSearch]:
+                 on_done: Callable[[Cell], None] = lambda c: None,
+                 linear_dtype: str | None = None) -> list[CellSearch]:
     """The planner at every cell, in grid order.
 
     With `jobs > 1` the cells run in that many processes, each search on one core (cells are
     independent and many; one search's own pool would only add start-up per cell). The biggest
     cells start first so a long one does not begin last. Results do not depend on `jobs`.
     """
-    job = partial(search_cell, profile=profile, flags=workload_defaults(block_size), engine=engine,
+    job = partial(search_cell, profile=profile, flags=workload_defaults(block_size, linear_dtype), engine=engine,
                   axes=axes)
     if jobs < 2 or len(grid) < 2 or "fork" not in mp.get_all_start_methods():
         out = []

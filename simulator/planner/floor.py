@@ -47,6 +47,7 @@ import numpy as np
 
 from csbp.simulator.cost.attention_ops import ATTENTION_BACKWARD_FLOP_RATIO
 from csbp.simulator.cost.graph import GEMM_BACKWARD_FLOP_RATIO
+from csbp.simulator.cost.linear_ops import resolve_linear_dtype
 from csbp.simulator.layout import kv_rows, pairs
 from csbp.simulator.layout.layout import Layout
 from csbp.simulator.plan.plan import Plan
@@ -60,15 +61,19 @@ GEMM_BACKWARD = GEMM_BACKWARD_FLOP_RATIO  # dgrad + wgrad, as the step graph pri
 ATTENTION_BACKWARD = ATTENTION_BACKWARD_FLOP_RATIO
 
 
-def top_rates(profile: HardwareProfile) -> tuple[float, float, float] | None:
+def top_rates(profile: HardwareProfile, fp8: bool = False) -> tuple[float, float, float] | None:
     """(GEMM, attention forward, attention backward) FLOP/s no op of that kind is priced above
-    (reason 2), or None where attention is priced as dense math."""
+    (reason 2), or None where attention is priced as dense math. `fp8`: the blocks' linears run
+    in FP8 (`linear_ops.LinearGemmOps`), so the GEMM rate is the faster of bf16's and FP8's."""
     gpu = profile.gpu
     if gpu.dense_attention:
         return None
     peak = gpu.peak_tflops * 1e12
     top = lambda curve: max(y for _, y in curve)  # noqa: E731
     gemm = max([top(gpu.gemm_efficiency)] + [top(k.efficiency) for k in (gpu.gemm_kernels or {}).values()])
+    if fp8:  # as a fraction of the bf16 peak, so the scaling below applies to it too
+        fp8_peak, fp8_curve = gpu.gemm_rate(fp8=True)
+        gemm = max(gemm, fp8_peak / gpu.peak_tflops * top(fp8_curve))
 
     def kernel(backward: bool) -> float:
         best = 1.0 if not gpu.attention_kernels else 0.0
@@ -88,16 +93,17 @@ def top_rates(profile: HardwareProfile) -> tuple[float, float, float] | None:
 _TERMS: dict[tuple, tuple] = {}
 
 
-def kind_terms(model: ModelSpec, profile: HardwareProfile, frozen_router: bool) -> list[tuple] | None:
+def kind_terms(model: ModelSpec, profile: HardwareProfile, frozen_router: bool,
+               fp8: bool = False) -> list[tuple] | None:
     """Per layer kind: (layers of the kind, its window or None, whether it has softmax
     attention, GEMM seconds per token forward, backward, attention seconds per pair forward,
     backward), at tp = 1 and one row. Once per (model, profile, frozen router): every candidate
     of a search reads the same terms."""
-    key = (id(model), id(profile), frozen_router)
+    key = (id(model), id(profile), frozen_router, fp8)
     hit = _TERMS.get(key)
     if hit is not None and hit[0] is model and hit[1] is profile:
         return hit[2]
-    rates = top_rates(profile)
+    rates = top_rates(profile, fp8)
     terms = None
     if rates is not None:
         gemm_rate, fwd_rate, bwd_rate = rates
@@ -126,7 +132,8 @@ def compute_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
     checkpointing "full" and "none" (`workload.checkpointing` does not matter); None where the
     profile prices attention as dense math. `layout`: the plan's, as the step graph gets it."""
     obj = objective_shape(workload, model, plan)
-    terms = kind_terms(model, profile, obj.frozen_router)
+    fp8 = resolve_linear_dtype(workload, profile.implementation) == "fp8"  # the blocks' linears
+    terms = kind_terms(model, profile, obj.frozen_router, fp8)
     if terms is None:
         return None
     mb = float(batch_rows(workload, model).micro_batch)  # the batch as the builder sees it

@@ -50,6 +50,9 @@ def result_table(result: Result, title: str | None = None) -> Table:
     table.add_row("step time", fmt_time(result.step_time_s))
     table.add_row("tokens/s (context)" if result.objective_label else "tokens/s",
                   f"{result.tokens_per_s:,.0f}" if result.tokens_per_s else "-")
+    table.add_row("tokens/s per GPU", f"{result.tokens_per_s_per_gpu:,.0f}" if result.tokens_per_s_per_gpu else "-")
+    table.add_row("model TFLOP/s per GPU (Megatron)",
+                  f"{result.model_tflops_per_gpu:,.1f}" if result.model_tflops_per_gpu else "-")
     if result.objective_label:  # what the objective's users count (implementation.md 15)
         table.add_row(result.objective_label,
                       f"{result.objective_tokens_per_s:,.0f}" if result.objective_tokens_per_s else "-")

@@ -39,6 +39,10 @@ class Result:
     engine: str  # "des" | "closed-form"
     step_time_s: float | None = None
     tokens_per_s: float | None = None  # context tokens L x sequences per step / step time
+    tokens_per_s_per_gpu: float | None = None  # tokens_per_s / every GPU of the job
+    # Megatron-LM's num_floating_point_operations per step / step time / GPUs, in TFLOP/s (causal
+    # attention counted as half the score matrix; what it counts per objective: model_flops.py)
+    model_tflops_per_gpu: float | None = None
     # the objective's own count where it differs from context tokens (implementation.md 15):
     # "supervised" (DFlash2: anchors x (block - 1) per example) or "valid" (Fast-dLLM v2: L - 1);
     # to_json() also emits it as `<name>_tokens_per_s`. tokens_per_s stays the ranking figure.

@@ -130,6 +130,11 @@ class GPU(BaseModel):
     # fraction of the live-tensor peak: reserved / allocated at the peak; None = 0
     allocator_overhead: Annotated[float | None, Field(ge=0, le=1, strict=True), FIGURE] = None
     peak_tflops: Positive  # dense bf16 tensor peak
+    # FP8 linears (frameworks.md A2, B3): the dense FP8 tensor peak and the fraction of it one
+    # FP8 GEMM reaches by GFLOP per call, both or neither; None: this GPU prices no FP8 GEMM
+    # (`linear_dtype fp8` is refused on it, `gemm_rate`)
+    fp8_peak_tflops: OptionalPositive = None
+    fp8_gemm_efficiency: OptionalCurve = None
     hbm_gbs: Positive
     hbm_efficiency: Fraction  # fraction of hbm_gbs memory-bound kernels reach
     gemm_efficiency: Curve  # [GFLOP per op, fraction of peak]
@@ -179,6 +184,22 @@ class GPU(BaseModel):
         if any(c is None for c in curves) and any(c is not None for c in curves):
             raise ValueError(f"give all of {', '.join(DENSE_CURVES)} or none")
         return self
+
+    @model_validator(mode="after")
+    def _fp8_together(self) -> "GPU":
+        if (self.fp8_peak_tflops is None) != (self.fp8_gemm_efficiency is None):
+            raise ValueError("give both of fp8_peak_tflops, fp8_gemm_efficiency or neither")
+        return self
+
+    def gemm_rate(self, fp8: bool = False) -> tuple[float, tuple[tuple[float, float], ...]]:
+        """(peak TFLOP/s, efficiency curve by GFLOP per call) of a dense GEMM in bf16 or FP8;
+        a GPU without FP8 figures refuses FP8 in one line rather than pricing it as bf16."""
+        if not fp8:
+            return self.peak_tflops, self.gemm_efficiency
+        if self.fp8_peak_tflops is None or self.fp8_gemm_efficiency is None:
+            raise InputError(f"linear dtype fp8: the GPU {self.name!r} has no FP8 GEMM figures "
+                             "(gpu.fp8_peak_tflops, gpu.fp8_gemm_efficiency); use --linear-dtype bf16")
+        return self.fp8_peak_tflops, self.fp8_gemm_efficiency
 
     @property
     def usable_gib(self) -> float:

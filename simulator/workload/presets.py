@@ -1,4 +1,5 @@
-"""Named models of the CSBP study (shared/reference/workloads.md) plus tiny CPU models.
+"""Named models of the CSBP study (shared/reference/workloads.md), two plain autoregressive
+models (Llama 3.1 8B, Llama 2 7B: issue 24) and tiny CPU models.
 
 Each preset says where its shapes come from; figures the reference marks unverified say so in
 `source`. `load_model(name_or_path)` is the one entry point: a preset name, or a path to a
@@ -94,6 +95,20 @@ _PRESETS = {
                                source="workloads.md (Qwen3-8B config)"),
     "qwen2.5-7b": lambda: _dense("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, qkv_bias=True,
                                  source="workloads.md (Qwen2.5-7B config)"),
+    # plain autoregressive models TorchTitan and Megatron-Core train (issue 24), from their public
+    # Hugging Face config.json files; RMSNorm, SwiGLU, RoPE (theta 500,000 / 10,000 and Llama 3.1's
+    # rope scaling change no FLOP or byte csbp counts); 8.03B / 6.74B parameters
+    "llama3.1-8b": lambda: _dense(
+        "llama3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256,
+        source="meta-llama/Llama-3.1-8B config.json: hidden_size 4096, num_hidden_layers 32, "
+               "num_attention_heads 32, num_key_value_heads 8 (head dim 128), intermediate_size "
+               "14336, vocab_size 128256, rope_theta 500000, tie_word_embeddings false"),
+    "llama2-7b": lambda: _dense(
+        "llama2-7b", 32, 4096, 32, 32, 128, 11008, 32000,
+        source="meta-llama/Llama-2-7b-hf config.json: hidden_size 4096, num_hidden_layers 32, "
+               "num_attention_heads 32, num_key_value_heads 32 (MHA, head dim 128), "
+               "intermediate_size 11008, vocab_size 32000, rope_theta 10000, tie_word_embeddings "
+               "false"),
     "tiny": lambda: _dense("tiny", 2, 64, 4, 2, 16, 128, 256, source="csbp test model for CPU runs"),
     "tiny-moe": lambda: ModelSpec(
         name="tiny-moe", hidden=64, ffn=0, vocab=256,
