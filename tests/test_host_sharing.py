@@ -95,7 +95,7 @@ def test_profiles_without_curves_price_as_before():
     """An old profile (cores and sharing efficiency only) keeps its single share, bit for bit:
     the same IEEE operations as before the curves existed."""
     cpu = load_profile("cpu-measured").on_one_host(4)
-    assert cpu.node.rank_speed is None or "rank_speed" in cpu.sources
+    assert cpu.node.rank_speed is None or "node.rank_speed" in cpu.sources
     old = cpu.model_copy(update={"node": cpu.node.model_copy(update={"rank_speed": None,
                                                                      "rank_wakeup_us": None})})
     work = Compute("gemm", (2e9,), (0.0,))
@@ -174,3 +174,16 @@ def test_calibrate_writes_the_curves_and_prints_the_step_check(tmp_path, monkeyp
     assert main(["calibrate", "--out", str(out), "--name", "sharing", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [r["ranks"] for r in got["sharing_check"]] == [1, 2, 4]
+
+
+def test_rounds_alternate_so_every_rank_count_meets_the_start_and_the_end():
+    """A drifting host biases a ratio to R = 1 when R = 1 is always measured first: the rounds
+    alternate (ABBA), so over two rounds every R has the same mean position in time."""
+    from csbp.runtime.calibration.rank_sharing import round_orders
+
+    orders = round_orders(4, 3)
+    assert orders == [[1, 2, 3, 4], [4, 3, 2, 1], [1, 2, 3, 4]]
+    two = round_orders(4, 2)
+    mean_slot = {r: sum(o.index(r) for o in two) / 2 for r in range(1, 5)}
+    assert len(set(mean_slot.values())) == 1  # 1.5 for every R
+    assert round_orders(3, 0) == [[1, 2, 3]]  # at least one round

@@ -133,7 +133,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     step("core sharing")
     window = 0.4 if quick else 1.0
     # 1..the largest world csbp validate runs
-    sharing = measure_sharing(max(PLANS), seconds=window, repeats=3 if quick else 5)
+    sharing = measure_sharing(max(PLANS), seconds=window, repeats=3 if quick else 5, rounds=1 if quick else 3)
     gemm_load = {busy: [rate * GEMM_FLOP for rate in rates["gemm"]] for busy, rates in sharing.rates.items()}
     cpus = identity.cpus
     step_load = {procs: mb.step_seconds_under_load(procs, seconds=1.0 if quick else 4.0)

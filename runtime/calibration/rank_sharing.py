@@ -51,6 +51,7 @@ class SharingJob:
     world: int  # processes started: the most ranks measured at once
     port: int
     seconds: float = 1.0  # the window per op class and rank count
+    rounds: int = 3  # passes over R = 1..world, in alternating order; the median per R is kept
     repeats: int = 5  # wake-ups: interleaved loops with and without the call
     calls: int = 8  # wake-ups: calls per loop
     pair_worlds: tuple[int, ...] = (2, 4)  # ranks on the host for the pairs' calls
@@ -120,20 +121,37 @@ def _start(rank: int, job: SharingJob) -> None:
                             world_size=job.world)
 
 
+def round_orders(world: int, rounds: int) -> list[list[int]]:
+    """The order of R = 1..world in each round: forward, backward, forward, ... (ABBA).
+
+    Why: the curve is a ratio to R = 1, and a host's speed drifts over the minute this takes (the
+    2026-12-01 calibration's probe step: 204.7 ms as it began, 152.8 ms as it ended). Measured once
+    in one order, R = 1 always came first, in the slow start, and every R > 1 looked faster
+    relative to it than it was (two ranks at once 11 % faster per rank than one, at attention);
+    alternating the order puts every R at the start and at the end alike, and the median per R
+    over the rounds leaves a linear drift out of the ratios.
+    """
+    forward = list(range(1, world + 1))
+    return [forward if i % 2 == 0 else forward[::-1] for i in range(max(1, rounds))]
+
+
 def _speeds(rank: int, job: SharingJob) -> dict[int, dict[str, float]]:
-    """This rank's calls per second of each class with R = 1..world ranks busy; a rank not among
-    the R waits in the barrier (gloo's barrier sleeps: measured 3 ms of CPU over a 3 s wait)."""
+    """This rank's calls per second of each class with R = 1..world ranks busy (median over
+    `job.rounds` rounds in alternating order); a rank not among the R waits in the barrier
+    (gloo's barrier sleeps: measured 3 ms of CPU over a 3 s wait)."""
     steps = class_steps()
     for fn, _ in steps.values():
         fn()  # warm-up: allocation, autograd graph
-    out: dict[int, dict[str, float]] = {}
-    for busy in range(1, job.world + 1):
-        for name, (fn, cold) in steps.items():
-            dist.barrier()  # the busy ranks start the class together
-            if rank < busy:
-                out.setdefault(busy, {})[name] = calls_per_second(fn, cold, time.perf_counter() + job.seconds)
+    seen: dict[int, dict[str, list[float]]] = {}
+    for order in round_orders(job.world, job.rounds):
+        for busy in order:
+            for name, (fn, cold) in steps.items():
+                dist.barrier()  # the busy ranks start the class together
+                if rank < busy:
+                    rate = calls_per_second(fn, cold, time.perf_counter() + job.seconds)
+                    seen.setdefault(busy, {}).setdefault(name, []).append(rate)
     dist.barrier()
-    return out
+    return {busy: {name: statistics.median(rates) for name, rates in by.items()} for busy, by in seen.items()}
 
 
 def _pair_calls(rank: int, job: SharingJob) -> dict[int, float]:
@@ -184,10 +202,11 @@ def _worker(rank: int, job: SharingJob, queue) -> None:
 
 
 def measure_sharing(most: int, seconds: float = 1.0, repeats: int = 5,
-                    timeout_s: float = 300.0) -> Sharing:
-    """Every op class with 1..`most` ranks busy at once, and a pair's call with each even number
-    of ranks up to `most` on the host, in one set of `most` spawned processes."""
-    job = SharingJob("sharing", most, mb._free_port(), seconds=seconds, repeats=repeats,
+                    timeout_s: float = 300.0, rounds: int = 3) -> Sharing:
+    """Every op class with 1..`most` ranks busy at once (`rounds` passes in alternating order),
+    and a pair's call with each even number of ranks up to `most` on the host, in one set of
+    `most` spawned processes."""
+    job = SharingJob("sharing", most, mb._free_port(), seconds=seconds, rounds=rounds, repeats=repeats,
                      pair_worlds=tuple(w for w in range(2, most + 1, 2)))
     results = mb._run_workers(job, timeout_s, target=_worker)
     rates = {busy: {c: [results[r]["rates"][busy][c] for r in range(busy)] for c in OP_CLASSES}

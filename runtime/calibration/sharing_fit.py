@@ -47,7 +47,8 @@ def sharing_figures(m: Measurements) -> dict:
             f"measured: R processes (one thread each, as ranks) running one op class at once, "
             f"started together behind a gloo barrier, each calling it for a {m.rank_window_s:g} s "
             "window (calls that end inside it counted; cold caches, as the alone figures, except "
-            "host): summed calls per second / R over one process alone, R = "
+            "host), R = 1..4 forward then back in alternating rounds, each rank's median rate over "
+            "the rounds: summed calls per second / R over one process alone, R = "
             f"{', '.join(map(str, sorted(m.rank_rates)))}; {detail}; under load {m.load}"))
     if m.pair_calls:
         from csbp.runtime.calibration.microbench import GAP_S
