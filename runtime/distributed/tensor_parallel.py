@@ -155,8 +155,8 @@ class VocabParallelHead(nn.Module):
 
     def weighted_cross_entropy(self, hidden: torch.Tensor, targets: torch.Tensor,
                                weights: torch.Tensor) -> torch.Tensor:
-        """hidden [B, n / tp, h]: this shard's noisy rows; targets, weights [B, n]: every noisy
-        row of the context rank. Every row is scored (weight 0 rows too), so the collectives'
+        """hidden [B, n / tp, h]: this shard's loss rows (noisy; objective ar: all); targets,
+        weights [B, n]: every loss row of the context rank. Every row is scored (weight 0 rows too), so the collectives'
         sizes do not depend on which tokens happen to be masked."""
         rows = gather_shards(hidden, self.tp)
         logits = F.linear(rows, self.weight).float().flatten(0, 1)

@@ -1,1 +1,2 @@
-"""the block-diffusion model, its attention kernels and its objective, for real."""
+"""the block-diffusion model (also trained plain autoregressive), its attention kernels and its
+objectives, for real."""

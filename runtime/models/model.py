@@ -5,7 +5,9 @@ RMSNorm, RoPE, GQA attention (full or sliding-window), SwiGLU or top-k MoE. The 
 positions it computes: RoPE uses the original position i % L (a noisy token and its clean twin
 share it), and attention is a callable the plan supplies (`runtime.attention.Attention`), so K/V
 exchange lives with the plan and this file stays parallelism-free: tensor and expert parallelism
-cut it from outside (`runtime.tensor_parallel`, `runtime.expert_parallel`).
+cut it from outside (`runtime.tensor_parallel`, `runtime.expert_parallel`). Objective ar trains the
+same network as a plain causal LM: its layout puts token t at position L + t, where the mask at
+block 1 is causal and RoPE sees t (`runtime.objective`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`csbp run`: start a plan's world size on this host, train a few steps, report what was measured.
 
     csbp run --model tiny --seq-len 1024 --block-size 64 --plan cp=2,bp=2 --steps 3 --json
+    csbp run --model tiny --seq-len 1024 --objective ar --plan cp=2 --json
     csbp run --plan plan.json --steps 10 --out result.json
     csbp run --model nemotron-diffusion-8b --seq-len 64k --plan cp=8,bp=8 --emulate-rank 3 --layers 2
 
@@ -32,7 +33,7 @@ from csbp.simulator.report.report import dumps, print_json
 def add_run_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     add_plan_args(p)
-    p.set_defaults(model="tiny", seq_len="1024", block_size=64, dtype="fp32")
+    p.set_defaults(model="tiny", seq_len="1024", dtype="fp32")  # block: RUN_BLOCK_SIZE
     p.add_argument("--steps", type=int, default=3, help="measured steps after warm-up (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     p.add_argument("--seed", type=int, default=0, help="weights, data and noise seed")
@@ -67,11 +68,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "--steps steps after warm-up and report median step time, loss, peak memory "
                     "and bytes per category, with attention bytes next to the layout's prediction. "
                     "--plan takes a plan file (from `csbp plan --out`) or degrees like cp=2,bp=2; "
-                    "without a file the model defaults to tiny, seq-len 1024, block 64, fp32.")
+                    "without a file the model defaults to tiny, seq-len 1024, block 64, fp32. "
+                    "--objective ar trains plain next-token prediction on one causal sequence "
+                    "(dp, cp, tp; no blocks, so no bp).")
     add_run_args(p)
     p.set_defaults(func=run)
 
 
+RUN_BLOCK_SIZE = 64  # without a plan file or --block-size (objective ar has no blocks)
+RUNTIME_OBJECTIVES = ("bd3lm", "ar")  # what plans.Work.loss trains
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; torch's timeouts overflow far beyond
 MAX_RANKS_PER_CORE = 8  # beyond this, ranks sharing a core only thrash
 SCORE_COPIES = 4  # scores, probabilities and their gradients alive at once in one layer
@@ -99,14 +104,16 @@ def job_from_args(args: argparse.Namespace):
         pf = planfile.load(args.plan)
         model, workload, plan = pf.model_spec(), pf.workload, pf.plan
     else:
+        if args.block_size is None and args.objective != "ar":  # ar has no blocks
+            args.block_size = RUN_BLOCK_SIZE
         inputs = inputs_from_args(args)
         model, workload, plan = inputs.model, inputs.workload, plan_from_args(args)
     plan.check_against(model, workload, implementation=RUNTIME_IMPLEMENTATION)  # plan_rules.py
     check_supported(model)
     check_plan_supported(model, workload, plan)
-    if workload.objective != "bd3lm":
+    if workload.objective not in RUNTIME_OBJECTIVES:
         raise InputError(f"objective {workload.objective} is not supported by the runtime yet "
-                         "(use --objective bd3lm)")
+                         f"(use --objective {' or '.join(RUNTIME_OBJECTIVES)})")
     if args.steps < 1 or args.warmup < 0:
         raise InputError("--steps must be at least 1 and --warmup at least 0")
     if not 0 < args.timeout <= MAX_TIMEOUT_S:

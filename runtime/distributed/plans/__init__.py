@@ -1,5 +1,6 @@
-"""What one rank does for a plan: its sequences, its positions of the 2L sequence, its attention,
-and its part of the model.
+"""What one rank does for a plan: its sequences, its positions of the 2L sequence (objective ar:
+of the causal L-token sequence, held at [L, 2L) by `CausalLayout`), its attention, and its part of
+the model.
 
 A plan is axes composed, each in its own module. The mesh (`runtime.mesh`) places ranks and makes
 the process groups. The DP axis (`dp.py`) gives each replica its own sequences and sums gradients.
@@ -23,7 +24,8 @@ from csbp.runtime.distributed import expert_parallel, tensor_parallel
 from csbp.runtime.models.attention import Attention
 from csbp.runtime.distributed.comm import Comm
 from csbp.runtime.models.model import BlockDiffusionLM
-from csbp.runtime.models.objective import bd3lm_targets, make_batch, weighted_cross_entropy
+from csbp.runtime.models.objective import (bd3lm_targets, make_batch, make_causal_batch,
+                                           next_token_targets, weighted_cross_entropy)
 from csbp.runtime.distributed.mesh import Mesh, build as build_mesh
 from csbp.runtime.distributed.plans import context, dp
 from csbp.simulator.plan import rules as plan_rules
@@ -43,7 +45,7 @@ class Work:
     layout: Layout
     ctx_rank: int
     sequences: range  # global ids of the sequences this rank's replica trains on
-    total_tokens: int  # noisy tokens of the whole step: the loss normaliser
+    total_tokens: int  # loss rows of the whole step (noisy tokens; ar: every token): the normaliser
     attention: Attention
     mesh: Mesh = field(default_factory=lambda: Mesh({}))
     comm: Comm | None = None
@@ -58,9 +60,14 @@ class Work:
         whole; TP ranks of one context rank hold the same part)."""
         w = self.workload
         device = model.embed.weight.device
+        positions = self.positions.to(device)
+        if objective_shape(w, model.spec).causal:  # ar: every position is a loss row
+            tokens = make_causal_batch(self.sequences, step, seed, w.seq_len, model.spec.vocab)
+            inputs, targets, weights = next_token_targets(tokens.to(device), positions, w.seq_len)
+            hidden = model(inputs, positions, w.seq_len, self.attention)
+            return weighted_cross_entropy(model.lm_head, hidden, targets, weights) / self.total_tokens
         batch = make_batch(self.sequences, step, seed, w.seq_len, w.block_size, model.spec.vocab)
         batch = batch.to(device)
-        positions = self.positions.to(device)
         hidden = model(batch.tokens[:, positions], positions, w.seq_len, self.attention)
         noisy = positions[positions < w.seq_len]  # sorted: shard order keeps them in order
         targets, weights = bd3lm_targets(batch, noisy, w.seq_len, w.block_size, model.mask_id)
