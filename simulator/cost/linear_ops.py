@@ -91,7 +91,7 @@ def delta_rule_flops_per_token(head_dim_k: int, head_dim_v: int, chunk: int = DE
 class LinearAttentionOps:
     """Linear-attention layers of the step (mixed into the builder)."""
 
-    def ulysses(self, a: AttentionSpec, rows: str = "clean") -> tuple[Comm | None, Comm | None]:
+    def linear_ulysses(self, a: AttentionSpec, rows: str = "clean") -> tuple[Comm | None, Comm | None]:
         """Linear attention under CP/CSBP: sequence->head all-to-all of the clean rows' q, k, v,
         and back for their output; noisy blocks stay with their owners (`boundary_states`),
         unless the implementation moves them too (`rows="noisy"`, pure CP)."""
@@ -164,7 +164,7 @@ class LinearAttentionOps:
         through the delta rule, their boundary states travel to the noisy blocks' owners, and
         each noisy block restarts from its state where it lives."""
         c, f = self.cached, self.impl.linear_attention
-        a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+        a2a_in, a2a_out = c(("lin-ulysses", a), lambda: self.linear_ulysses(a))
         io = c(("states-io", a), lambda: self.states_io(a))
         if self.lay.kind not in ("cp", "csbp"):
             if not f.two_passes:
@@ -182,7 +182,7 @@ class LinearAttentionOps:
         waited = out if f.exchange == "waited" else ()  # a synchronous call blocks the stream
         states = self.add("lin.states-io", phase, li, io, states, waited)
         if self.moves_noisy():  # the noisy rows through their own all-to-alls
-            n_in, n_out = c(("ulysses-noisy", a), lambda: self.ulysses(a, "noisy"))
+            n_in, n_out = c(("lin-ulysses-noisy", a), lambda: self.linear_ulysses(a, "noisy"))
             states = self.add("lin.a2a-in.noisy", phase, li, n_in, states)
         noisy = self.add("delta-rule.noisy", phase, li, c(("dr-noisy", a, False), lambda: self.delta_rule(
             a, False, "noisy")), states, waited)
@@ -194,7 +194,7 @@ class LinearAttentionOps:
         """The backward of `linear_forward`: the noisy blocks' state gradients go home to the
         rows that computed the states before the clean rows' backward can finish."""
         c, ph, f = self.cached, "backward", self.impl.linear_attention
-        a2a_in, a2a_out = c(("ulysses", a), lambda: self.ulysses(a))
+        a2a_in, a2a_out = c(("lin-ulysses", a), lambda: self.linear_ulysses(a))
         io = c(("states-io", a), lambda: self.states_io(a))
         if self.lay.kind not in ("cp", "csbp"):
             if not f.two_passes:
@@ -207,7 +207,7 @@ class LinearAttentionOps:
         out = self.add("lin.a2a-out-bwd", ph, li, a2a_out, x)
         waited = out if f.exchange == "waited" else ()
         if self.moves_noisy():
-            n_in, n_out = c(("ulysses-noisy", a), lambda: self.ulysses(a, "noisy"))
+            n_in, n_out = c(("lin-ulysses-noisy", a), lambda: self.linear_ulysses(a, "noisy"))
             x = self.add("lin.a2a-out-bwd.noisy", ph, li, n_out, x)
         noisy = self.add("delta-rule-bwd.noisy", ph, li, c(("dr-noisy", a, True), lambda: self.delta_rule(
             a, True, "noisy")), x, waited)
