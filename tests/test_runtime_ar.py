@@ -1,4 +1,4 @@
-"""Objective ar in the runtime (issue 24): plain autoregressive training under DP and CP.
+"""Objective ar in the runtime (issue 24): plain autoregressive training under DP and CP (and TP).
 
 Every plan reproduces the single-process loss and every gradient, and each rank's counted bytes
 equal the step graph's prediction for the plan (csbp-runtime's profile) and a hand count of the
@@ -67,12 +67,14 @@ class Case:
 CASES = {
     2: [Case("dp2", FULL, "dp=2"),
         Case("dp2-microbatch2", TWO_PER_REPLICA, "dp=2"),
+        Case("tp2", FULL, "tp=2"),
         Case("cp2", FULL, "cp=2"),
         Case("cp2-no-recompute", NO_RECOMPUTE, "cp=2"),
         Case("cp2-ring", FULL, "cp=2", "ring")],
     4: [Case("cp4", FULL, "cp=4"),
         Case("cp4-ring", NO_RECOMPUTE, "cp=4", "ring"),
-        Case("dp2-cp2", FULL, "dp=2,cp=2")],
+        Case("dp2-cp2", FULL, "dp=2,cp=2"),
+        Case("cp2-tp2", FULL, "cp=2,tp=2")],
 }
 ALL = [(world, case) for world, cases in CASES.items() for case in cases]
 
@@ -127,9 +129,14 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / max(float(np.linalg.norm(want)), 1e-30))
 
 
-def assert_close(loss: float, grads: dict, ref_loss: float, ref_grads: dict, who: str) -> None:
+def assert_close(loss: float, grads: dict, ref_loss: float, ref_grads: dict, who: str,
+                 slices: dict | None = None) -> None:
+    """`slices`: (dim, start, stop) of a TP rank's gradients that are slices of the whole."""
     assert abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss), f"{who}: loss {loss} vs {ref_loss}"
     assert grads.keys() == ref_grads.keys()
+    ref_grads = dict(ref_grads)
+    for name, (dim, start, stop) in (slices or {}).items():
+        ref_grads[name] = np.take(ref_grads[name], range(start, stop), axis=dim)
     errors = {n: relative_error(grads[n], ref_grads[n]) for n in ref_grads}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOLERANCE, f"{who}: {worst} off by {errors[worst]:.2e}"
@@ -140,13 +147,13 @@ def hand_count(case: Case) -> int:
     tokens (chunks r and 2cp-1-r) and needs every other rank's, (cp-1) L/cp K/V rows per layer
     and pass. All-gather: one pass forward, again in the recompute, and the dK/dV reduce-scatter
     home. Ring: cp-1 K/V hops forward and in the recompute; backward K/V go round again and
-    dK/dV take cp-1 hops home. A row is K and V of every K/V head in fp32."""
+    dK/dV take cp-1 hops home. A row is K and V of the rank's K/V heads (1/tp of them) in fp32."""
     plan = case.job().plan
     if plan.cp == 1:
         return 0
     recompute = case.workload.checkpointing == "full"
     passes = (3 if plan.transport == "ring" else 2) + recompute
-    row = sum(2 * a.n_kv_heads * a.head_dim * 4 for a in case.model.layers)
+    row = sum(2 * a.n_kv_heads // plan.tp * a.head_dim * 4 for a in case.model.layers)
     return case.workload.micro_batch * passes * (plan.cp - 1) * (L // plan.cp) * row
 
 
@@ -166,7 +173,7 @@ def test_loss_and_every_gradient_match_the_single_process_reference(world, case)
     plan = case.job().plan
     ref = reference(case.workload, plan.dp * case.workload.micro_batch)
     for r in reports:
-        assert_close(r.losses[0], r.gradients, *ref, f"rank {r.rank}")
+        assert_close(r.losses[0], r.gradients, *ref, f"rank {r.rank}", r.gradient_slices)
 
 
 @pytest.mark.timeout(300)
@@ -174,7 +181,8 @@ def test_loss_and_every_gradient_match_the_single_process_reference(world, case)
 def test_counted_bytes_equal_the_step_graphs_and_a_hand_count(world, case):
     reports = run_world(world)[case.name]
     layout = Layout.build(case.workload, case.job().plan)
-    by_layout = attention_bytes_received(layout, case.model.layers, case.workload.dtype_bytes)
+    by_layout = attention_bytes_received(layout, case.model.layers, case.workload.dtype_bytes,
+                                         case.job().plan.tp)
     for r in reports:
         assert r.bytes_received == r.bytes_predicted, f"rank {r.rank}"  # every category
         assert r.bytes_received["attention-kv"] == hand_count(case)
