@@ -40,7 +40,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> N
     p.add_argument("--block-size", type=int, default=None,
                    help="diffusion block size b (default: the preset's recipe, else 256)")
     p.add_argument("--objective", default=None,
-                   help="bd3lm | fast-dllm-v2 | diffusiongemma | dflash2 (default: the model's)")
+                   help="bd3lm | fast-dllm-v2 | diffusiongemma | dflash2 | ar (plain autoregressive) "
+                        "(default: the model's)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per replica")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32")
     p.add_argument("--checkpointing", default=None,
@@ -134,6 +135,8 @@ def add_plan_args(p: argparse.ArgumentParser, *, required: bool = False) -> None
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
     model = load_model(args.model)
     objective = args.objective or default_objective(model)
+    if objective == "ar" and args.block_size not in (None, 1):
+        raise InputError("objective ar has no blocks (a causal sequence): drop --block-size")
     recipe = {"block_size": 256, **preset_recipe(model)}
     flags = {k: v for k, v in (("block_size", args.block_size),
                                ("features", getattr(args, "features", None)),

@@ -47,7 +47,8 @@ class Searched:
     jobs: int
 
 
-def search_grid(args: argparse.Namespace, models: list[str], title: str, describe) -> Searched:
+def search_grid(args: argparse.Namespace, models: list[str], title: str, describe,
+                objectives: list[str | None] | None = None) -> Searched:
     """Check the flags, then plan every cell with a progress bar on stderr. `title` may name the
     profile as `{profile}` (it is known only once the what-if is applied); `describe(cell)` is
     the bar's text once a cell is done."""
@@ -62,7 +63,7 @@ def search_grid(args: argparse.Namespace, models: list[str], title: str, describ
     if args.linear_dtype == "fp8":  # refused once, in one line, not per cell
         profile.gpu.gemm_rate(fp8=True)
     grid = cells(models, split_list(args.seq_lens, "seq-lens"), split_list(args.gpus, "gpus"),
-                 profile, args.block_size, linear_dtype=args.linear_dtype)
+                 profile, args.block_size, objectives or (None,), linear_dtype=args.linear_dtype)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -79,4 +80,6 @@ def search_grid(args: argparse.Namespace, models: list[str], title: str, describ
 
 def cell_text(cell, with_model: bool) -> str:
     where = f"{fmt_tokens(cell.seq_len)} on {cell.gpus} GPUs"
+    if getattr(cell, "objective", None):
+        where = f"{cell.objective} {where}"
     return f"{cell.model} {where}" if with_model else where

@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_grid_args(p, seq_lens=DEFAULT_SEQ_LENS, gpus=DEFAULT_GPUS, out_dir="map",
                   out_help="where the table, heatmap and reading go", unit="cell",
                   json_help="print one JSON object (cells, reading, files)")
+    p.add_argument("--objectives", default=None, metavar="A,B,...",
+                   help="compare objectives on this cluster instead (e.g. ar,bd3lm): each cell "
+                        "planned once per objective; a table of each one's best plan and tokens/s "
+                        "and its ratio to the first objective's (CSV, no heatmap)")
     p.set_defaults(func=run)
 
 
@@ -50,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from csbp.simulator.grids.sweep import save_table
 
     model_name = load_model(args.model).name
+    if args.objectives:
+        return run_objectives(args, model_name)
     start = time.perf_counter()
     found = search_grid(args, [args.model], f"mapping {model_name} on " + "{profile}",
                         lambda cell: cell_text(cell, with_model=False))
@@ -75,6 +81,43 @@ def run(args: argparse.Namespace) -> int:
     for line in what_if.lines():
         out.print(line, highlight=False)
     out.print(reading, highlight=False)
+    for f in files:
+        out.print(f"wrote {f}", highlight=False)
+    return 0
+
+
+def run_objectives(args: argparse.Namespace, model_name: str) -> int:
+    """`csbp map --objectives`: the same cell search once per objective, side by side."""
+    from csbp.simulator.grids.decision_map import objective_cell_text, objective_table
+    from csbp.simulator.grids.grid import split_list
+    from csbp.simulator.grids.sweep import save_table
+
+    objectives = split_list(args.objectives, "objectives")
+    start = time.perf_counter()
+    found = search_grid(args, [args.model], f"mapping {model_name} ({', '.join(objectives)}) on " + "{profile}",
+                        lambda cell: cell_text(cell, with_model=False), objectives=objectives)
+    profile = found.what_if.profile
+    df = objective_table(found.answers, profile.name)
+    files = save_table(df, found.out_dir, f"map-{slug(model_name)}-{slug(profile.name)}-objectives")
+    console(stderr=True).print(f"mapped {found.cells} cells in {time.perf_counter() - start:.1f} s "
+                               f"({found.jobs} jobs)", highlight=False)
+    if args.json:
+        print_json({"model": model_name, "hardware": profile.name, "engine": args.engine,
+                    "objectives": objectives, "what_if": found.what_if.to_json(),
+                    "implementation": profile.implementation,
+                    "cells": df.astype(object).where(df.notna(), None).to_dict("records"),
+                    "files": [str(f) for f in files]})
+        return 0
+    out = console()
+    lengths, counts = sorted(df.seq_len.unique()), sorted(df.gpus.unique())
+    table = Table(title=f"Objectives on {profile.name}: {model_name}, best plan's tokens/s "
+                        f"(ratio to {objectives[0]})", box=box.SIMPLE_HEAD)
+    table.add_column("GPUs", justify="right")
+    for L in lengths:
+        table.add_column(fmt_tokens(int(L)), justify="left")
+    for g in reversed(counts):
+        table.add_row(str(g), *(objective_cell_text(df[(df.gpus == g) & (df.seq_len == L)]) for L in lengths))
+    out.print(table)
     for f in files:
         out.print(f"wrote {f}", highlight=False)
     return 0

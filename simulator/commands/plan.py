@@ -303,6 +303,11 @@ def _why(found) -> list[str]:
     if base is None:
         return ["no plan without block parallelism fits: BP is what makes this job possible"]
     if base is rec:
+        from csbp.simulator.plan.rules import applicable_axes
+
+        if "bp" not in applicable_axes(found.workload, ("bp",)):  # ar: nothing to deal out
+            return [f"objective {found.workload.objective}: no noisy blocks, so no block parallelism; "
+                    "the best of dp/tp/cp/ep"]
         return ["no block-parallel plan beats it on this cluster"]
     reasons = [f"{found.speedup:.2f}x the baseline's tokens/s" if found.speedup >= 1.005 else
                "ties the baseline on tokens/s (within 0.5 %)"]

@@ -1,5 +1,13 @@
 """The step graph's softmax attention: calls, their kernels and tiles, and the K/V exchange.
 
+Beyond the method's exchanges, the implementation profile can say how a framework's context
+parallelism runs them (issue 24, frameworks.md A1, B1): calls per step of the head-tail schedule
+(`split: steps`: TorchTitan's all-gather waited after step 0, the pass-KV ring with each hop
+beside that step's attention), K/V repeated to the query heads before the exchange
+(`kv_heads`), the backward re-gathering K/V (`refetch_kv`) and moving dK/dV on a ring of its
+own in fp32 (`dkv_exchange`), or Ulysses all-to-alls of Q, K, V and O (`context_exchange:
+heads`).
+
 How a layer's attention is cut into kernel calls, which kernel family runs each, whether the K/V
 collective is waited on at once or hidden behind the calls over keys already at home, the copies
 around it and its padding are the implementation profile's facts (`implementation.py`); which
@@ -49,15 +57,21 @@ class AttentionOps:
     def cut(self, pattern: str, phase: Phase) -> str:
         """How the phase's attention is cut into calls: `none` (one call, keys at home), `ring`
         (one call per step), or the implementation's split of a collective."""
-        if pattern in ("none", "ring"):
+        if pattern == "none":
             return pattern
-        return self.facts(phase).split
+        split = self.facts(phase).split
+        if pattern == "ring":  # one call per step; `steps` shapes them as the frameworks do,
+            # as does any causal (ar) layout: its head-tail steps are unmasked rectangles
+            return "steps" if split == "steps" or self.obj.causal else "ring"
+        return split
 
     def split(self, a: AttentionSpec, pattern: str, cut: str | None = None) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """The layer kind's attention split, counted once per layout ownership: it depends only on
         the shares, the window and the cut, which most candidates of a search share."""
         window = a.window if a.kind == "sliding" else None
         cut = cut or ("local-remote" if pattern not in ("none", "ring") else pattern)
+        if self.ulysses(pattern):
+            cut = "heads"
         return self.derived(("attention-split", window, pattern, cut),
                             lambda: self.attention_split(a, window, pattern, cut))
 
@@ -68,17 +82,25 @@ class AttentionOps:
         `whole`: one call over every key after the exchange; `local-remote`: the rank's own
         positions and owned rows apart from the rows it receives; `noisy-prefix`: the noisy
         queries over their own blocks apart from every query over the clean prefix; a ring
-        splits the rest by step (the shard of the rank s places back in the ring).
+        splits the rest by step (the shard of the rank s places back in the ring); `steps` does
+        so under any exchange, each step's call over only the queries that see its shard (a
+        fourth entry: those queries per rank); `heads` (Ulysses) is one call over the whole
+        sequence of the cp group, on heads / cp.
         """
         lay = self.lay
         total = self.derived(("pairs", window), lambda: pairs.totals(lay, window)).astype(float)
         if pattern == "none":
             return [("attn", total, self.positions)]
+        if cut == "heads":  # every position of the group's sequence, per head
+            whole = self.group_sequence()
+            every = float(QueryIntervals(whole, lay.seq_len, lay.block, window).total())
+            length = float(sum(z - q for q, z in whole))
+            return [("attn.heads", np.full(self.n, every), np.full(self.n, length), np.full(self.n, length))]
         if pattern != "ring" and cut == "whole":
             return [("attn", total, self.positions + kv_rows.received(lay, a, "forward").astype(float))]
         queries = self.derived(("query-intervals", window),
                                lambda: [QueryIntervals.of(lay, r, window) for r in range(self.n)])
-        if pattern != "ring":
+        if pattern != "ring" and cut != "steps":
             received = kv_rows.received(lay, a, "forward").astype(float)
             if cut == "noisy-prefix":
                 own = [self.noisy_spans(r) for r in range(self.n)]
@@ -94,6 +116,7 @@ class AttentionOps:
         m = len(self.cp_sync[0])
         step_pairs = np.zeros((m, self.n))  # [s, rank]: pairs with the shard s places back
         step_keys = np.zeros((m, self.n))
+        step_queries = np.zeros((m, self.n))  # `steps`: the queries that see that shard
         for g in self.cp_sync:
             shards = [lay.shares[r].owned_kv for r in g]
             back = (np.arange(m)[:, None] - np.arange(m)[None, :]) % m  # [i, s] -> member i - s
@@ -101,9 +124,56 @@ class AttentionOps:
                 with_each = queries[r].pairs_with_each(shards)  # pairs with member j's shard
                 step_pairs[:, r] = with_each[back[i]]
                 step_keys[:, r] = owned[np.array(g)[back[i]]]
+                if cut == "steps":  # the call's queries and keys: those that meet the mask
+                    step_queries[:, r] = queries[r].queries_seeing_each(shards)[back[i]]
+                    step_keys[:, r] = queries[r].keys_seen_each(shards)[back[i]]
+        name = "attn.ring" if pattern == "ring" else "attn.step"
+        if cut == "steps":
+            parts = [parts[0] + (self.positions,)]
+            return parts + [(f"{name}{s}", step_pairs[s], step_keys[s], step_queries[s]) for s in range(1, m)]
         for s in range(1, m):
             parts.append((f"attn.ring{s}", step_pairs[s], step_keys[s]))
         return parts
+
+    def attention_notes(self) -> list[str]:
+        """What the report says about how this plan's context exchange runs (issue 24)."""
+        if self.lay.kind not in ("cp", "csbp") or self.keys_at_home:
+            return []
+        fwd, bwd, out = self.facts("forward"), self.facts("backward"), []
+        if fwd.context_exchange == "heads":
+            out.append("CP as Ulysses: all-to-alls of Q, K, V to head shards and of O back, waited on; "
+                       "one attention call over every position on heads / cp; memory counts the "
+                       "gathered K/V of an all-gather instead of the head shards [U]")
+            return out
+        ring = self.p.transport == "ring"
+        if self.cut("ring" if ring else "all-gather", "forward") == "steps":
+            out.append("CP attention in steps (frameworks.md A1, B1): one call per shard, each over the "
+                       "queries that see it" + (", each ring hop beside the previous step's call" if ring
+                                                else "; step 0 beside the K/V all-gather, later steps after it"))
+        if fwd.kv_heads == "query":
+            out.append("K/V repeated to the query heads before CP (repeat_kv): exchanged at the query-head count")
+        if bwd.refetch_kv and not ring:
+            out.append("backward gathers K/V again")
+        if bwd.dkv_exchange == "ring":
+            out.append(f"dK/dV on their own ring of cp hops in {bwd.gradient_bytes or self.dt}-byte elements")
+        return out
+
+    def group_sequence(self) -> tuple[Span, ...]:
+        """Every position the cp group holds (Ulysses' call runs over all of them)."""
+        return normalize(p for r in self.cp_sync[0] for p in self.lay.shares[r].positions)
+
+    def ulysses(self, pattern: str) -> bool:
+        """Ulysses CP (`context_exchange: heads`): the plan's attention over heads / cp."""
+        return pattern != "none" and self.family.forward.context_exchange == "heads"
+
+    def step_shard(self, rank: int, step: int) -> tuple[Span, ...]:
+        """The K/V shard a rank attends at `step` of a ring or a stepped gather: the member
+        `step` places back in its group."""
+        for g in self.cp_sync:
+            if rank in g:
+                i = g.index(rank)
+                return self.lay.shares[g[(i - step) % len(g)]].owned_kv
+        return ()
 
     def noisy_spans(self, rank: int) -> tuple[Span, ...]:
         """The noisy positions a rank holds (whole blocks under BP/CSBP)."""
@@ -131,13 +201,20 @@ class AttentionOps:
             return own, own
         if name == "attn.prefix":
             return positions, ((self.lay.seq_len, L2),)
+        for prefix in ("attn.ring", "attn.step"):
+            if name.startswith(prefix):
+                return positions, self.step_shard(rank, int(name.removeprefix(prefix)))
+        if name == "attn.heads":
+            return self.group_sequence(), everything
         raise KeyError(name)
 
-    def tiles(self, a: AttentionSpec, name: str, pack: bool, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def tiles(self, a: AttentionSpec, name: str, pack: bool, pairs: np.ndarray,
+              shaped: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """(full, partial) kernel tiles per rank of one call, in tiles per query head (per K/V
         head when GQA heads are packed: then a tile holds 128 / group positions), or None for a
-        ring step (priced by pairs, its masked flag standing for partial tiles) [U]."""
-        if name.startswith("attn.ring"):
+        ring step not `shaped` by a `steps` split (priced by pairs, its masked flag standing for
+        partial tiles) [U]."""
+        if name.startswith("attn.ring") and not shaped:
             return None
         window = a.window if a.kind == "sliding" else None
         group = max(1, a.n_heads // max(a.n_kv_heads, 1)) if pack else 1
@@ -159,19 +236,23 @@ class AttentionOps:
                        pack: bool = False) -> Compute:
         """pairs x 4 x head_dim x heads/tp forward (QK^T and PV), 2.5x that backward; and the
         same for the kernel tiles the call really computes (`tiles.py`)."""
-        name, pairs, keys = part
-        per_pair = self.w.micro_batch * 4 * a.head_dim * a.n_heads / self.tp
+        name, pairs, keys = part[:3]
+        # Ulysses: the call runs every position of the sequence over heads / cp
+        share = 1.0 / len(self.cp_sync[0]) if name == "attn.heads" else 1.0
+        per_pair = self.w.micro_batch * 4 * a.head_dim * a.n_heads / self.tp * share
         if backward:
             per_pair *= ATTENTION_BACKWARD_FLOP_RATIO
         queries = self.noisy / self.w.micro_batch if name == "attn.noisy-block" else self.positions
+        if len(part) > 3:  # a shaped call: only the queries that see its keys
+            queries = part[3]
         tile = pairs / np.maximum(queries, 1)
         masked = a.kind == "sliding" or self.w.block_size % ATTENTION_KERNEL_TILE != 0
-        counted = self.tiles(a, name, pack, pairs)
+        counted = self.tiles(a, name, pack, pairs, shaped=len(part) > 3)
         full = partial = ()
         if counted is not None:
             group = max(1, a.n_heads // max(a.n_kv_heads, 1)) if pack else 1
             rows = max(1, ATTENTION_KERNEL_TILE // group) * group  # packed: whole positions per tile
-            heads = (a.n_kv_heads if pack else a.n_heads) / self.tp
+            heads = (a.n_kv_heads if pack else a.n_heads) / self.tp * share
             per_tile = self.w.micro_batch * 4 * rows * ATTENTION_KERNEL_TILE * a.head_dim * heads
             if backward:
                 per_tile *= ATTENTION_BACKWARD_FLOP_RATIO
@@ -192,12 +273,65 @@ class AttentionOps:
             rows = self.padded_rows()
         gradients = phase == "backward" and (pattern != "ring" or payload == "dkv")
         dt = facts.gradient_bytes or self.dt if gradients else self.dt
-        nbytes = rows * kv_row_bytes(a, dt, self.tp) * self.w.micro_batch
+        nbytes = rows * self.kv_bytes(a, dt, phase) * self.w.micro_batch
         if pattern == "ring":
             return self.comm("p2p", nbytes, self.g_ring, "attention-kv", kv_rows.ring_senders(self.lay))
         collective = "all-to-all" if pattern == "all-to-all" else (
             "reduce-scatter" if phase == "backward" else "all-gather")
         return self.comm(collective, nbytes, self.g_cp, "attention-kv")
+
+    def kv_bytes(self, a: AttentionSpec, dtype_bytes: int, phase: Phase) -> float:
+        """Bytes of one K/V row as the phase moves it: at the K/V heads (`layout.kv_row_bytes`),
+        or repeated to the query heads first (`kv_heads: query`, TorchTitan's repeat_kv)."""
+        if self.facts(phase).kv_heads == "query":
+            return a.kv_tensors * a.n_heads / self.tp * a.head_dim * dtype_bytes
+        return kv_row_bytes(a, dtype_bytes, self.tp)
+
+    def repeat_kv(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
+        """`kv_heads: query`: K/V repeated to the query heads before attention and its exchange
+        (read the K/V heads, write the query heads); backward: the repeated gradients summed
+        back (read the query heads, write the K/V heads). Over the rank's own rows."""
+        if self.facts(phase).kv_heads != "query" or a.n_heads == a.n_kv_heads:
+            return self.add("kv.repeat_kv", phase, li, None, *deps)
+        work = self.cached(("repeat_kv", a), lambda: self.memory_bound(
+            self.positions * self.w.micro_batch * a.kv_tensors * a.head_dim * (a.n_heads + a.n_kv_heads)
+            / self.tp * self.dt))
+        return self.add("dkv.repeat_kv-sum" if phase == "backward" else "kv.repeat_kv", phase, li, work, *deps)
+
+    def dkv_hop(self, li: int, a: AttentionSpec, hop: int, *deps: Deps) -> Deps:
+        """One hop of a dK/dV ring of its own (`dkv_exchange: ring`, torch CP's all-to-all
+        rotater): after a step's backward call each rank sends the partial dK/dV of the shard it
+        just used to the next member, in the gradient dtype; `hop` 0..cp-1, the last one home.
+        Each hop carries one member's shard (rank i receives that of member i - 1 - hop)."""
+        facts = self.facts("backward")
+
+        def make() -> Comm | None:
+            owned = kv_rows.owned_rows(self.lay).astype(float)
+            rows = np.zeros(self.n)
+            for g in self.cp_sync:
+                m = len(g)
+                for i, r in enumerate(g):
+                    rows[r] = owned[g[(i - 1 - hop) % m]] if m > 1 else 0.0
+            dt = facts.gradient_bytes or self.dt
+            nbytes = rows * self.kv_bytes(a, dt, "backward") * self.w.micro_batch
+            return self.comm("p2p", nbytes, self.g_ring, "attention-kv", kv_rows.ring_senders(self.lay))
+        work = self.cached(("dkv-hop", a, hop), make)
+        return self.add(f"dkv.hop{hop}", "backward", li, work, *deps)
+
+    def heads_exchange(self, li: int, a: AttentionSpec, phase: Phase, what: str, *deps: Deps) -> Deps:
+        """Ulysses: one all-to-all between sequence and head shards of the cp group, waited on.
+        `what`: "qkv" (Q, K, V in; backward dQ, dK, dV out) or "o" (O out; backward dO in).
+        Each rank keeps 1/cp of its rows' width and receives (cp-1)/cp of it."""
+        n = len(self.cp_sync[0])
+        q = a.n_heads * a.head_dim
+        kv = a.kv_tensors * (a.n_heads if self.facts(phase).kv_heads == "query" else a.n_kv_heads) * a.head_dim
+        width = q + kv if what == "qkv" else q
+        work = self.cached(("ulysses", a, what), lambda: self.comm(
+            "all-to-all", self.positions * self.w.micro_batch * width / self.tp * self.dt * (n - 1) / n,
+            self.g_cp, "attention-kv"))
+        names = {("qkv", False): "qkv.a2a", ("o", False): "o.a2a",
+                 ("qkv", True): "dqkv.a2a", ("o", True): "do.a2a"}
+        return self.add(names[what, phase == "backward"], phase, li, work, *deps)
 
     def padded_rows(self) -> np.ndarray:
         """Rows each member receives in an all-gather padded to its group's largest shard."""
@@ -215,12 +349,15 @@ class AttentionOps:
         cut = self.cut(pattern, phase)
         split = self.split(a, pattern, cut)
         name = split[part][0]
-        call = "ring" if name.startswith("attn.ring") else name.removeprefix("attn.")
+        call = "ring" if name.startswith("attn.ring") else "step" if name.startswith("attn.step") \
+            else name.removeprefix("attn.")
         if self.keys_at_home:  # the bound: the fastest kernel the phase runs, the fewer tiles
             kernel, pack = "|".join(sorted(set(self.facts(phase).kernels.values()))), "auto"
         else:
             facts = self.facts(phase)
             kernel, pack = facts.kernel(call), facts.packs(call)
+            if facts.kv_heads == "query":  # K/V already at the query heads: nothing to pack
+                pack = False
 
         def work_of(packed: bool) -> Compute:
             return self.attention_work(a, split[part], backward, kernel, packed)
@@ -253,13 +390,14 @@ class AttentionOps:
             passes * self.positions * self.w.micro_batch * a.n_heads / self.tp * a.head_dim * self.dt))
         return self.add("attn.merge", phase, li, work, *deps)
 
-    def pack_kv(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
+    def pack_kv(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps, gradients: bool | None = None) -> Deps:
         """Copy the K/V rows a rank sends into one buffer (read + write; backward: their
         gradients added back into dK/dV). All-gather sends one shard to every member, so it is
-        packed once."""
-        nbytes = 2 * kv_rows.packed_rows(self.lay, a) * kv_row_bytes(a, self.dt, self.tp) * self.w.micro_batch
-        work = self.cached(("pack", a, phase == "backward"), lambda: self.memory_bound(
-            nbytes * (1.5 if phase == "backward" else 1.0)))
+        packed once. `gradients=False` in the backward: K/V packed again for a re-gather."""
+        grads = phase == "backward" if gradients is None else gradients
+        nbytes = 2 * kv_rows.packed_rows(self.lay, a) * self.kv_bytes(a, self.dt, phase) * self.w.micro_batch
+        work = self.cached(("pack", a, grads, self.facts(phase).kv_heads), lambda: self.memory_bound(
+            nbytes * (1.5 if grads else 1.0)))
         return self.add("kv.pack", phase, li, work, *deps)
 
     def move_kv(self, name: str, li: int, a: AttentionSpec, phase: Phase, step: int,
@@ -281,22 +419,32 @@ class AttentionOps:
         dt = (facts.gradient_bytes or self.dt) if backward else self.dt
         rows = self.positions + kv_rows.received(self.lay, a, "forward")
         work = self.cached(("copies", a, phase), lambda: self.memory_bound(
-            facts.copy_passes * 2 * rows * kv_row_bytes(a, dt, self.tp) * self.w.micro_batch))
+            facts.copy_passes * 2 * rows * self.kv_bytes(a, dt, phase) * self.w.micro_batch))
         return self.add(name, phase, li, work, *deps)
 
     def attention_forward(self, li: int, a: AttentionSpec, phase: Phase, x: Deps) -> Deps:
         """Attention over keys at home runs while the rest arrive, unless the implementation
         waits on the exchange at once; the call over received keys waits for them."""
         pattern = self.pattern(a, phase)
+        x = self.repeat_kv(li, a, phase, x)
         if pattern == "none":
             return self.attend(li, a, phase, pattern, 0, x)
+        if self.ulysses(pattern):  # Q, K, V to head shards, one call, O back: all waited on
+            x = self.heads_exchange(li, a, phase, "qkv", x)
+            return self.heads_exchange(li, a, phase, "o", self.attend(li, a, phase, pattern, 0, x))
         if pattern != "ring":
             gather = self.move_kv("kv.gather", li, a, phase, 0, None, self.pack_kv(li, a, phase, x))
             ready = self.copies("kv.reorder", li, a, phase, gather)
-            if self.cut(pattern, phase) == "whole":
+            cut = self.cut(pattern, phase)
+            if cut == "whole":
                 return self.attend(li, a, phase, pattern, 0, x, ready)
             waited = ready if self.facts(phase).exchange == "immediate" else ()
             local = self.attend(li, a, phase, pattern, 0, x, waited)
+            if cut == "steps":  # step 0 beside the gather; every later step waits for it
+                done = local
+                for s in range(1, len(self.split(a, pattern, cut))):
+                    done = self.merge(li, a, phase, self.attend(li, a, phase, pattern, s, done, ready))
+                return done
             return self.merge(li, a, phase, self.attend(li, a, phase, pattern, 1, local, ready))
         # ring with two K/V buffers: step s lands once step s-2 has been consumed
         done, kv = [self.attend(li, a, phase, pattern, 0, x)], x
@@ -306,12 +454,22 @@ class AttentionOps:
         return done[-1]
 
     def attention_backward(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
+        """The layer's attention backward, then (`kv_heads: query`) the repeated K/V's
+        gradients summed back to the K/V heads."""
+        return self.repeat_kv(li, a, "backward", self.attention_backward_calls(li, a, x))
+
+    def attention_backward_calls(self, li: int, a: AttentionSpec, x: Deps) -> Deps:
         """Remote pairs first, so their dK/dV travel home while the local backward runs (unless
         the implementation waits on the reduce-scatter at once)."""
         ph: Phase = "backward"
         pattern = self.pattern(a, ph)
         if pattern == "none":
             return self.attend(li, a, ph, pattern, 0, x)
+        if self.ulysses(pattern):  # dO to head shards, one call, dQ, dK, dV back
+            x = self.heads_exchange(li, a, ph, "o", x)
+            return self.heads_exchange(li, a, ph, "qkv", self.attend(li, a, ph, pattern, 0, x))
+        if self.cut(pattern, ph) == "steps":
+            return self.stepped_backward(li, a, pattern, x)
         if pattern != "ring":
             if self.cut(pattern, ph) == "whole":
                 call = self.attend(li, a, ph, pattern, 0, x)
@@ -334,5 +492,52 @@ class AttentionOps:
                 kv.append(self.move_kv(f"kv.ring{s + 1}", li, a, ph, s, "kv", kv[s], done[s - 1]))
             dkv = self.move_kv(f"dkv.ring{s}", li, a, ph, s - 1, "dkv", done[s - 1], dkv)
             done.append(self.attend(li, a, ph, pattern, s, done[s - 1], kv[s]))
+        home = self.move_kv("dkv.ring-home", li, a, ph, n - 1, "dkv", done[-1], dkv)
+        return done[-1] + home
+
+    def stepped_backward(self, li: int, a: AttentionSpec, pattern: str, x: Deps) -> Deps:
+        """Backward of a `steps` split, as torch CP and Transformer Engine run it (frameworks.md
+        A1, B1): step 0 over the rank's own K/V, then one call per other member's shard. K/V
+        come from a gather done again by the backward (`refetch_kv`; else the one of the
+        forward or recompute is at hand) or, on a ring, hop by hop (K/V of step s land once
+        step s-2 is consumed). dK/dV go home as the layout moves them (the ring's dK/dV hops,
+        or one reduce-scatter after the last step) or on their own ring (`dkv_exchange: ring`):
+        after step s's call its partial sums move one hop on, waited on before step s+1's sums
+        are added, the last hop home."""
+        ph: Phase = "backward"
+        facts = self.facts(ph)
+        n = len(self.split(a, pattern, "steps"))
+        own_ring = facts.dkv_exchange == "ring"
+        if pattern != "ring":
+            ready: Deps = ()
+            if facts.refetch_kv:  # the forward's gather again, in the backward
+                pack = self.pack_kv(li, a, ph, x, gradients=False)
+                gather = self.add("kv.gather-bwd", ph, li, self.cached(
+                    ("kv-refetch", a), lambda: self.kv_comm(a, "forward", 0, None)), pack)
+                ready = gather
+            waited = ready if facts.exchange == "immediate" else ()
+            done = [self.attend(li, a, ph, pattern, 0, x, waited)]
+            hop: Deps = self.dkv_hop(li, a, 0, done[0]) if own_ring else ()
+            for s in range(1, n):
+                done.append(self.attend(li, a, ph, pattern, s, done[-1], ready))
+                if own_ring:
+                    hop = self.dkv_hop(li, a, s, done[-1], hop)
+            if own_ring:
+                return done[-1] + hop
+            scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, self.copies("dkv.copies", li, a, ph, done[-1]))
+            return done[-1] + self.pack_kv(li, a, ph, scatter, done[-1])
+        done = [self.attend(li, a, ph, pattern, 0, x)]
+        kv = [(), self.move_kv("kv.ring1", li, a, ph, 0, "kv", x)]
+        dkv: Deps = self.dkv_hop(li, a, 0, done[0]) if own_ring else ()
+        for s in range(1, n):
+            if s + 1 < n:
+                kv.append(self.move_kv(f"kv.ring{s + 1}", li, a, ph, s, "kv", kv[s], done[s - 1]))
+            if not own_ring:
+                dkv = self.move_kv(f"dkv.ring{s}", li, a, ph, s - 1, "dkv", done[s - 1], dkv)
+            done.append(self.attend(li, a, ph, pattern, s, done[s - 1], kv[s]))
+            if own_ring:
+                dkv = self.dkv_hop(li, a, s, done[s], dkv)
+        if own_ring:
+            return done[-1] + dkv
         home = self.move_kv("dkv.ring-home", li, a, ph, n - 1, "dkv", done[-1], dkv)
         return done[-1] + home

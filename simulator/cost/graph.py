@@ -32,8 +32,8 @@ from csbp.simulator.cost.linear_ops import (DELTA_RULE_CHUNK, LINEAR_STATE_BYTES
 from csbp.simulator.cost.fp8_ops import FP8Ops
 from csbp.simulator.cost.loss_ops import LossOps
 from csbp.simulator.cost.moe_ops import MoEOps
-from csbp.simulator.cost.objective_ops import (ObjectiveOps, _anchor_pairs_of, _canvas_pairs, _context_rows_of,
-                                               _sequence_pairs)
+from csbp.simulator.cost.objective_ops import (ObjectiveOps, _anchor_pairs_of, _canvas_pairs, _causal_pairs,
+                                               _context_rows_of, _sequence_pairs)
 from csbp.simulator.cost.optimizer_ops import ADAMW_BYTES_PER_PARAM, OptimizerOps  # noqa: F401 (re-exported)
 from csbp.simulator.workload.objectives import ObjectiveShape, batch_rows, objective_shape
 from csbp.simulator.layout.pairs import pairs_with_keys  # noqa: F401 (re-exported)
@@ -349,6 +349,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         if m.is_moe:
             self.notes.append("MoE: balanced routing; experts sharded over ep and not "
                               "tensor-parallel; each sequence-parallel shard routes its own tokens")
+        self.notes.extend(self.attention_notes())  # how the CP exchange runs (attention_ops)
         self.notes.append(self.gradient_note())
         self.notes.extend(self.loss_notes())
         embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
@@ -416,7 +417,7 @@ ALSO_CLEARED: list = []
 def clear_caches() -> None:
     """Forget what earlier graphs cached, layouts included (a benchmark measuring a cold start)."""
     clear_layout_caches()
-    for cached in (_placed_group, _sequence_pairs, _canvas_pairs, _anchor_pairs_of, _context_rows_of,
+    for cached in (_placed_group, _sequence_pairs, _canvas_pairs, _causal_pairs, _anchor_pairs_of, _context_rows_of,
                    pairs._window_prefix, pairs._block_counts):
         cached.cache_clear()
     for clear in ALSO_CLEARED:

@@ -18,10 +18,11 @@ class LossOps:
     """LM head and cross-entropy (mixed into the builder)."""
 
     def loss_rows(self) -> np.ndarray:
-        """Rows the LM head and loss run on: the noisy tokens, and every clean row too when the
-        objective adds an autoregressive loss on the clean stream (DiffusionGemma); a clean row
-        replicated on several ranks (pure BP, CSBP's replicas) runs it on each [U]."""
-        rows = self.tokens if self.obj.clean_loss else self.noisy
+        """Rows the LM head and loss run on: the noisy tokens, every token of a causal (ar)
+        sequence, and every clean row too when the objective adds an autoregressive loss on
+        the clean stream (DiffusionGemma); a clean row replicated on several ranks (pure BP,
+        CSBP's replicas) runs it on each [U]."""
+        rows = self.tokens if self.obj.clean_loss or self.obj.causal else self.noisy  # ar: every token
         # only the rows that carry a label (Fast-dLLM v2's L - 1 valid rows, objectives.py)
         return rows * self.obj.loss_row_share if self.obj.loss_row_share != 1.0 else rows
 

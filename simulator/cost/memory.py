@@ -257,10 +257,13 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     full_ckpt = workload.checkpointing == "full"
     kinds = _model_sizes(model)["kinds"]
     if eager:
-        loss = memory_timeline.masked_loss_bytes(model, noisy, dt, tp)
+        # ar: every token carries the loss (the masked fraction is of noisy tokens only)
+        loss = memory_timeline.masked_loss_bytes(model, tokens / memory_timeline.MASKED_FRACTION
+                                                 if obj.causal else noisy, dt, tp)
     else:
-        per = {n: loss_bytes(model, n, obj.vocab_block, dt, tp) for n in set(noisy.tolist())}
-        loss = np.array([per[n] for n in noisy.tolist()], dtype=float)
+        loss_tokens = tokens if obj.causal else noisy  # ar: every token is a loss row
+        per = {n: loss_bytes(model, n, obj.vocab_block, dt, tp) for n in set(loss_tokens.tolist())}
+        loss = np.array([per[n] for n in loss_tokens.tolist()], dtype=float)
     loss_backward = None
     if not eager and obj.frozen_embeddings and impl.loss.frozen_head_rows:
         # a frozen head over row blocks: one fp32 workspace wherever the rank has loss rows
@@ -269,7 +272,7 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
         # the reference's tiled kernel (implementation.md 9): one tile's fp32 logits in forward,
         # its backward buffers with the whole weight and input gradients; unchunked (TorchTitan,
         # frameworks.md A3): every loss row's logits and their fp32 copy at once
-        rows = (tokens if obj.clean_loss else noisy) * obj.loss_row_share  # as loss_ops.loss_rows
+        rows = (tokens if obj.clean_loss or obj.causal else noisy) * obj.loss_row_share  # as loss_ops.loss_rows
         loss, loss_backward = loss_ops.loss_buffers(model, impl.loss, rows.astype(float), dt, tp)
     context = 0.0
     if obj.context_as_kv:

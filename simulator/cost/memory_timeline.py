@@ -224,6 +224,8 @@ def layer_memory(model: ModelSpec, layout: Layout, a: AttentionSpec, s: Sizes,
     received = kv_rows.held_at_once(layout, a).astype(float)  # remote K/V rows per sequence
     own = kv_rows.packed_rows(layout, a).astype(float)  # rows this rank sends (its shard)
     row = s.batch * kv_w * a.kv_tensors * dt / tp  # one K/V row (K and V) of every sequence
+    if s.family is not None and s.family.forward.kv_heads == "query":  # repeated to the query heads
+        row *= a.n_heads / max(a.n_kv_heads, 1)  # before the exchange (TorchTitan's repeat_kv)
     heads = a.n_heads / tp
     if eager:
         return _eager_layer(s, hid, f, f_one, unit, q_width, gate, kv_w, positions, received, own, row,

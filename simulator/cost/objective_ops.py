@@ -24,6 +24,11 @@ def _sequence_pairs(seq_len: int, block: int, window: int | None) -> int:
     return QueryIntervals(((0, 2 * seq_len),), seq_len, block, window).total()  # = mask.pairs
 
 @functools.lru_cache(maxsize=64)
+def _causal_pairs(seq_len: int, window: int | None) -> int:
+    """Pairs of objective ar's causal sequence: the clean stream at block 1 (L(L+1)/2 unwindowed)."""
+    return QueryIntervals(((seq_len, 2 * seq_len),), seq_len, 1, window).total()  # = mask.pairs
+
+@functools.lru_cache(maxsize=64)
 def _canvas_pairs(seq_len: int, block: int, window: int | None) -> int:
     return QueryIntervals(((0, seq_len),), seq_len, block, window).total()  # = mask.pairs
 
@@ -142,7 +147,8 @@ class ObjectiveOps:
         The graph's formulas on the unsplit sequence (every row, the clean stream's AR loss, the
         expected self-conditioning forward with its soft embedding), so replicated work (pure
         BP's clean prefix, CSBP's clean replicas, CP's replicated draft decoder) and recompute
-        (a frozen head's recomputed logits included) do not count as useful work.
+        (a frozen head's recomputed logits included) do not count as useful work. Objective ar
+        counts its L causal tokens: L(L+1)/2 pairs per head and layer, the LM head over L rows.
         """
         m, obj = self.m, self.obj
         draft = _anchor_tokens(self.w) if obj.context_as_kv else None
@@ -156,8 +162,11 @@ class ObjectiveOps:
             total += 2 * 2 * T * m.hidden * m.vocab  # frozen head: forward + input gradient
             return total * self.w.micro_batch
         L, b = self.w.seq_len, self.w.block_size
-        pairs = {a: _sequence_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
         head = 2 * L * m.hidden * m.vocab  # the LM head's forward over L rows
+        if obj.causal:  # ar: L tokens through the layers, causal pairs, the head over all L
+            pairs = {a: _causal_pairs(L, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
+            return (self._layers_flops(L, pairs, 3.0) + 3 * head) * self.w.micro_batch
+        pairs = {a: _sequence_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
         main = self._layers_flops(2 * L, pairs, 3.0) + 3 * head * (2 if obj.clean_loss else 1)
         canvas = {a: _canvas_pairs(L, b, a.window if a.kind == "sliding" else None) for a in m.attention_kinds()}
         selfcond = self._layers_flops(L, canvas, 1.0) + head * (2 if obj.soft_embedding else 1)

@@ -5,6 +5,10 @@ The map is the second view of the grid search that `csbp sweep` tabulates by fam
 CSBP, with TP/EP when they are used), its tokens/s, and the speedup of the best plan with block
 parallelism over the best plan without it — below 1 where BP loses, empty where one side has no
 plan that fits. A cell where nothing fits keeps the planner's reasons.
+
+With several objectives (`csbp map --objectives ar,bd3lm`) every cell is planned once per
+objective and `objective_table` sets their best plans side by side: tokens/s (context tokens of
+one sequence per step, L for every objective) and each one's ratio to the first objective's.
 """
 
 from __future__ import annotations
@@ -85,3 +89,27 @@ def cell_text(row) -> str:
     if pd.isna(row.best_no_bp_tokens_per_s):
         return "BP only"
     return f"{row.bp_speedup:.2f}x"
+
+
+def objective_table(answers: list[CellSearch], hardware: str) -> pd.DataFrame:
+    """One row per cell and objective (the CSV of `csbp map --objectives`): the map's row, its
+    objective, and `vs_first`, its best tokens/s over the first objective's at the same cell."""
+    df = pd.DataFrame([cell_row(a, hardware) | {"objective": a.cell.objective} for a in answers],
+                      columns=["objective", *COLUMNS])
+    first = answers[0].cell.objective if answers else None
+    base = {(r.seq_len, r.gpus): r.tokens_per_s for r in df.itertuples() if r.objective == first}
+    df["vs_first"] = [t / base[(L, g)] if pd.notna(t) and pd.notna(base.get((L, g))) else None
+                      for t, L, g in zip(df.tokens_per_s, df.seq_len, df.gpus)]
+    return df
+
+
+def objective_cell_text(rows: pd.DataFrame) -> str:
+    """One cell of the objective comparison: each objective's best tokens/s (and vs the first)."""
+    out = []
+    for r in rows.itertuples():
+        if not r.feasible:
+            out.append(f"{r.objective} none fits")
+            continue
+        ratio = f" ({r.vs_first:.2f}x)" if pd.notna(r.vs_first) and out else ""
+        out.append(f"{r.objective} {r.tokens_per_s / 1e3:,.1f}k{ratio}")
+    return " / ".join(out)

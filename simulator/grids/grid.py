@@ -31,6 +31,7 @@ class Cell:
     model: str
     seq_len: int
     gpus: int
+    objective: str | None = None  # None: the model's own (`objectives.default_objective`)
 
 
 @dataclass
@@ -66,8 +67,11 @@ def gpu_counts(gpus: Iterable[str], profile: HardwareProfile) -> list[int]:
 
 
 def cells(models: Iterable[str], seq_lens: Iterable[str], gpus: Iterable[str],
-          profile: HardwareProfile, block_size: int = 256, linear_dtype: str | None = None) -> list[Cell]:
-    """The grid, validated before any work starts: a bad name fails now, not an hour in."""
+          profile: HardwareProfile, block_size: int = 256,
+          objectives: Iterable[str | None] = (None,), linear_dtype: str | None = None) -> list[Cell]:
+    """The grid, validated before any work starts: a bad name fails now, not an hour in.
+    `objectives`: each cell planned once per objective (None: the model's own)."""
+    objectives = list(objectives)
     models = list(models)
     counts = gpu_counts(gpus, profile)
     lengths = []
@@ -79,8 +83,9 @@ def cells(models: Iterable[str], seq_lens: Iterable[str], gpus: Iterable[str],
     flags = workload_defaults(block_size, linear_dtype)
     for m in models:  # unknown model or seq-len / block-size mismatch: one line, exit 2
         for L in lengths:
-            workload_inputs(m, L, flags)
-    return [Cell(m, L, n) for m in models for L in lengths for n in counts]
+            for o in objectives:
+                workload_inputs(m, L, flags, o)
+    return [Cell(m, L, n, o) for m in models for o in objectives for L in lengths for n in counts]
 
 
 def workload_defaults(block_size: int = 256, linear_dtype: str | None = None) -> argparse.Namespace:
@@ -93,14 +98,19 @@ def workload_defaults(block_size: int = 256, linear_dtype: str | None = None) ->
     return flags
 
 
-def workload_inputs(model: str, seq_len: int, flags: argparse.Namespace):
-    return inputs_from_args(argparse.Namespace(**vars(flags) | {"model": model, "seq_len": seq_len}))
+def workload_inputs(model: str, seq_len: int, flags: argparse.Namespace, objective: str | None = None):
+    over: dict = {"model": model, "seq_len": seq_len}
+    if objective is not None:
+        over["objective"] = objective
+        if objective == "ar":  # a causal sequence has no blocks: the grid's block size is not its
+            over["block_size"] = None
+    return inputs_from_args(argparse.Namespace(**vars(flags) | over))
 
 
 def search_cell(cell: Cell, profile: HardwareProfile, flags: argparse.Namespace, engine: str,
                 axes: tuple[str, ...], workers: int | None) -> CellSearch:
     """`csbp plan` at one cell (same workload defaults, same search); nothing fitting is data."""
-    inputs = workload_inputs(cell.model, cell.seq_len, flags)
+    inputs = workload_inputs(cell.model, cell.seq_len, flags, cell.objective)
     nodes = cell.gpus // profile.node.gpus_per_node
     try:
         # keep=1: the winner, the baseline and each family's best are exact, the rest may be pruned

@@ -8,6 +8,9 @@ For one context group (the max(cp, bp) ranks that share a sequence) it says
   backward, step by step (`RingStep`; a collective is one step with every transfer),
 - how many attention pairs each rank computes, counted from the mask.
 
+Objective ar (plain autoregressive) holds one causal L-token sequence in the clean stream's
+coordinates at block 1 (`objective_layout.CausalLayout`, whose docstring gives its API).
+
 Plans (see plan.py): DP/single hold all 2L positions; CP zigzags the 2L sequence over cp ranks
 and all-gathers every K/V row (noisy ones too); pure BP gives each rank whole noisy blocks and
 the clean prefix they need, replicated; CSBP gives each rank whole noisy blocks and a zigzag
@@ -310,6 +313,10 @@ class Layout:
 
 @functools.lru_cache(maxsize=512)
 def _build(workload: Workload, plan: Plan) -> Layout:
+    if workload.objective == "ar":
+        from csbp.simulator.layout.objective_layout import CausalLayout
+
+        return CausalLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing)
     if workload.objective == "dflash2":
         from csbp.simulator.layout.objective_layout import AnchorLayout
 

@@ -7,14 +7,37 @@ K/V movement, pair counting and the step graph work unchanged on them:
   block at anchor block k sees clean blocks < k and itself, which is the BD3-LM mask.
 - `CanvasLayout` (diffusiongemma self-conditioning): the same ownership as the main layout, with
   only the noisy (canvas) positions as queries.
+- `CausalLayout` (ar): one causal sequence held in the clean stream's coordinates at block 1.
+
+CausalLayout API (what the simulator prices and a runtime executes for objective ar):
+- `Layout.build(workload, plan)` returns it for `workload.objective == "ar"` (the workload's block
+  is 1: `Workload._causal_block`). `seq_len` = L, `block` = 1.
+- Token t of the sequence sits at position L + t ([L, 2L), the clean stream); no position is
+  below L (no noisy stream). `token_spans(rank)` gives a rank's tokens in [0, L).
+- `mask.visible(q, k, L, 1)` on those positions is the causal mask k <= q (the clean-to-clean
+  rule at block 1), so `pairs`, `QueryIntervals`, `kv_rows` and `tiles` count it unchanged:
+  L(L+1)/2 pairs in all.
+- single/dp: one rank holds [L, 2L). cp: head-tail load balancing as TorchTitan and
+  Megatron-Core shard it (frameworks.md A1, B1): 2cp chunks of C = L / 2cp, rank r holds chunks r
+  and 2cp-1-r (`layout.zigzag`), queries and owned K/V alike, so every rank has 2C tokens and
+  the same 2cp C^2 + C causal pairs, L(L+1)/2 / cp (tests/test_ar_objective.py).
+- `exchange(layer, phase)` is the Layout's: an all-gather of every member's K/V (transport
+  collective; backward: dK/dV reduce-scattered home) or a pass-KV ring of cp - 1 steps (transport
+  ring; backward: K/V again and dK/dV, cp - 1 hops each). What a framework adds on top (the
+  torch backward re-gathering K/V, dK/dV on their own ring, K/V repeated to the query heads,
+  Ulysses all-to-alls) is the implementation profile's (`system/implementation.py`), priced by
+  the step graph, not a change of ownership.
+- BP and CSBP have no blocks to deal out: `plan/rules.py` refuses them for ar; building such a
+  layout raises InputError.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from csbp.simulator.errors import InputError
 from csbp.simulator.layout.layout import Layout, RankShare, assign_blocks, zigzag
-from csbp.simulator.layout.spans import intersect, normalize, subtract
+from csbp.simulator.layout.spans import Span, intersect, normalize, shift, subtract
 
 
 def anchor_blocks(n_blocks: int, anchors: int) -> tuple[int, ...]:
@@ -132,3 +155,24 @@ class CanvasLayout(Layout):
 
 def canvas_view(layout: Layout) -> CanvasLayout:
     return CanvasLayout(layout.seq_len, layout.block, layout.plan, layout.checkpointing)
+
+
+@dataclass(frozen=True)
+class CausalLayout(Layout):
+    """Objective ar: a causal L-token sequence in the clean coordinates [L, 2L) at block 1 (the
+    module docstring gives the API). DP holds everything; CP deals head-tail chunks."""
+
+    def _build_shares(self) -> tuple[RankShare, ...]:
+        L, p = self.seq_len, self.plan
+        if p.kind in ("single", "dp"):
+            everything = ((L, 2 * L),)
+            return (RankShare(0, everything, everything, (), 0),)
+        if p.kind == "cp":
+            return tuple(RankShare(r, zigzag(L, p.cp, r, offset=L), zigzag(L, p.cp, r, offset=L), (), 0)
+                         for r in range(p.cp))
+        raise InputError(f"objective ar has no blocks to deal out: {p.kind} needs block diffusion's "
+                         "noisy blocks")
+
+    def token_spans(self, rank: int) -> tuple[Span, ...]:
+        """The sequence tokens [0, L) rank holds (its positions less the clean stream's offset)."""
+        return shift(self.shares[rank].positions, -self.seq_len)

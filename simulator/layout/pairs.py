@@ -16,7 +16,7 @@ import numpy as np
 
 from csbp.simulator.layout import mask
 from csbp.simulator.layout.layout import Layout
-from csbp.simulator.layout.spans import Span, normalize
+from csbp.simulator.layout.spans import Span, intersect, normalize
 
 
 class QueryIntervals:
@@ -85,6 +85,43 @@ class QueryIntervals:
             return np.where(k > 0, before[last] + np.minimum(x - starts[last], stops[last] - starts[last]), 0)
 
         return int(sum(((keys_below(z) - keys_below(a)) * self.weight).sum() for a, z in self.intervals))
+
+    def queries_seeing_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
+        """Queries with at least one visible key in each key set: the query rows a call over
+        that set runs when it skips the queries that see none of its keys (the frameworks' CP
+        step calls, Q(C) x K(2C) rather than Q(2C) x K(2C)). Exact without a window (every query
+        of a block sees the same runs); with one, every query is counted [U]."""
+        out = np.zeros(len(key_sets), dtype=np.int64)
+        if self._runs is not None:
+            out[:] = int(self._runs.n.sum())
+            return out
+        for j, keys in enumerate(key_sets):
+            keys = normalize(keys)
+            if not keys or self.weight.size == 0:
+                continue
+            starts, stops = np.array(keys, dtype=np.int64).T
+            before = np.concatenate([[0], np.cumsum(stops - starts)])
+
+            def keys_below(x: np.ndarray) -> np.ndarray:
+                k = np.searchsorted(starts, x, side="right")
+                last = np.maximum(k - 1, 0)
+                return np.where(k > 0, before[last] + np.minimum(x - starts[last], stops[last] - starts[last]), 0)
+
+            seen = sum((keys_below(z) - keys_below(a)) for a, z in self.intervals)
+            out[j] = int(self.weight[seen > 0].sum())
+        return out
+
+    def keys_seen_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
+        """Keys of each key set that at least one query sees: the key rows such a call reads
+        (Q(2C) x K(C) when only a shard's first chunk is visible). Exact without a window;
+        with one, every key of the set is counted [U]."""
+        out = np.array([sum(e - s for s, e in normalize(keys)) for keys in key_sets], dtype=np.int64)
+        if self._runs is not None or self.weight.size == 0:
+            return out if self._runs is not None else np.zeros(len(key_sets), dtype=np.int64)
+        if not hasattr(self, "_seen"):
+            self._seen = normalize((int(a), int(z)) for lo, hi in self.intervals
+                                   for a, z in zip(lo.tolist(), hi.tolist()) if z > a)
+        return np.array([sum(e - s for s, e in intersect(self._seen, keys)) for keys in key_sets], dtype=np.int64)
 
     def pairs_with_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
         """Pairs with each of several key sets (each a tuple of disjoint spans), in one pass."""

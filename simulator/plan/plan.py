@@ -105,12 +105,16 @@ class Plan(BaseModel):
         The method's rules here, then the shape rules every framework needs (plan_rules.py: TP
         divides the heads, EP the experts, ...), which `implementation` may relax where its
         profile says it goes beyond them; None keeps them strict."""
+        plan_rules.check_objective(workload, self)
         check_size(workload, self.ctx)
         if world is not None and self.world != world:
             raise InputError(
                 f"world = dp*tp*ep*max(cp,bp) = {self.dp}*{self.tp}*{self.ep}*{self.ctx} = "
                 f"{self.world}, but the cluster has {world} GPUs")
         L, b = workload.seq_len, workload.block_size
+        if self.kind == "cp" and workload.objective == "ar" and L % (2 * self.cp):
+            raise InputError(f"head-tail CP needs seq-len divisible by 2*cp (L into 2*cp chunks): "
+                             f"{L} % {2 * self.cp} != 0")
         if self.kind == "cp" and L % self.cp:
             raise InputError(f"CP zigzag needs seq-len divisible by cp (2L into 2*cp chunks): "
                              f"{L} % {self.cp} != 0")
@@ -127,7 +131,7 @@ def check_size(workload: Workload, ctx: int = 1) -> None:
     if workload.seq_len > MAX_SEQ_LEN:
         raise InputError(f"seq-len {workload.seq_len} exceeds {MAX_SEQ_LEN} (4M), the longest "
                          "context the simulator models")
-    if workload.n_blocks > MAX_BLOCKS:
+    if workload.n_blocks > MAX_BLOCKS and workload.objective != "ar":  # ar: no blocks (block 1)
         raise InputError(f"{workload.n_blocks} blocks of {workload.block_size} tokens exceed "
                          f"{MAX_BLOCKS}, the most the simulator models: use a larger block size")
     if ctx > MAX_CONTEXT_GROUP:

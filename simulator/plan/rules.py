@@ -39,6 +39,40 @@ KV_HINT = ("Megatron-Core and TorchTitan shard K/V heads over TP; an implementat
            "replicates them says tp_replicates_kv_heads: true")
 
 
+# objective ar has no noisy blocks: block parallelism has nothing to deal out (one line, refused
+# by `Plan.check_against` first and left out of the planner's space by `applicable_axes`)
+AR_NO_BLOCKS = "bp/csbp need block diffusion's noisy blocks: objective ar runs dp/cp/tp/ep"
+
+
+def objective_violation(workload: Workload, plan: "Plan") -> str | None:
+    """The rule an objective puts on the plan's axes, as one line (ar: no bp)."""
+    if workload.objective == "ar" and plan.bp > 1:
+        return AR_NO_BLOCKS
+    return None
+
+
+def check_objective(workload: Workload, plan: "Plan") -> None:
+    reason = objective_violation(workload, plan)
+    if reason:
+        raise InputError(reason)
+
+
+def applicable_axes(workload: Workload, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan axes the planner enumerates for this objective: ar drops bp (no blocks)."""
+    return tuple(a for a in axes if not (a == "bp" and workload.objective == "ar"))
+
+
+def _ulysses(implementation: "str | Implementation | None", plan: "Plan") -> bool:
+    """Whether the profile runs this CP plan's attention as Ulysses (heads over cp)."""
+    if implementation is None or plan.cp == 1 or plan.bp > 1:
+        return False
+    from csbp.simulator.system.implementation import load_implementation
+
+    fam = load_implementation(implementation).family("cp", plan.transport)
+    return any(p is not None and p.context_exchange == "heads"
+               for p in (fam.forward, fam.recompute, fam.backward))
+
+
 def _replicates_kv_heads(implementation: "str | Implementation | None") -> bool:
     if implementation is None:
         return False
@@ -57,12 +91,23 @@ def violation(model: ModelSpec, workload: Workload, plan: "Plan",
     (`Plan.check_against` checks them first): the positions rule reads its layout.
     """
     ep, tp = plan.ep, plan.tp
+    objective = objective_violation(workload, plan)
+    if objective:
+        return objective
     if implementation is not None:  # a framework without the plan's family (implementation.plan_families)
         from csbp.simulator.system.implementation import load_implementation
 
         refused = load_implementation(implementation).refusal(plan.kind, plan.transport)
         if refused:
             return refused
+    if _ulysses(implementation, plan):  # all-to-all from sequence to head shards (frameworks.md B1)
+        for i, layer in enumerate(model.layers):
+            if layer.kind == "linear":
+                continue
+            for what, heads in (("attention", layer.n_heads), ("K/V", layer.n_kv_heads)):
+                if heads % (tp * plan.cp):
+                    return (f"Ulysses CP (context_exchange: heads) needs tp*cp = {tp * plan.cp} to "
+                            f"divide the {heads} {what} heads of layer {i}")
     if ep > 1 and not model.is_moe:
         return f"ep={ep} needs a MoE model; {model.name} is dense"
     if model.moe and model.moe.n_experts % ep:

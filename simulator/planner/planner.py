@@ -171,6 +171,7 @@ def enumerate_space(model: ModelSpec, workload: Workload, gpus: int,
     rejected with the rule's line, as `csbp simulate` and `csbp run` refuse it.
     """
     space = Space([], {})
+    axes = plan_rules.applicable_axes(workload, axes)  # ar: no bp (nothing to deal out)
     divisors = _divisors(gpus)
     for tp, ep, cp, bp in product(*((divisors if a in axes else [1]) for a in AXES[1:])):
         inner = tp * ep * max(cp, bp)

@@ -31,9 +31,16 @@ DEFAULT_IMPLEMENTATION = "turbo-dllm"
 # local-remote: keys the rank holds apart from received ones (local, remote);
 # noisy-prefix: the noisy queries over their own block apart from every query over the clean
 #   prefix, own shard included (noisy-block, prefix).
-# A ring transport always calls once per step (local, ring).
-Split = Literal["whole", "local-remote", "noisy-prefix"]
-CALLS = {"whole": ("attn",), "local-remote": ("local", "remote"), "noisy-prefix": ("noisy-block", "prefix")}
+# steps: one call per step of the exchange as the frameworks' CP attention runs it (frameworks.md
+#   A1, B1): step 0 over the rank's own keys (local), then one call per other member's shard
+#   (step), each over only the queries that see that shard (head-tail CP: Q(2C) x K(C) or
+#   Q(C) x K(2C), no masked waste), kernel tiles counted; under an all-gather the steps slice the
+#   gathered buffer and only step 0 runs beside the gather (TorchTitan's `allgather` rotate).
+# A ring transport always calls once per step (local, ring); with `steps` its step calls are
+# shaped and tile-counted as above, else priced by pairs.
+Split = Literal["whole", "local-remote", "noisy-prefix", "steps"]
+CALLS = {"whole": ("attn",), "local-remote": ("local", "remote"), "noisy-prefix": ("noisy-block", "prefix"),
+         "steps": ("local", "step")}
 FAMILIES = ("dp", "bp", "cp", "csbp", "cp-ring", "csbp-ring")
 
 _Bool = Annotated[bool, Field(strict=True), FIGURE]
@@ -60,6 +67,25 @@ class Pass(BaseModel):
     copy_passes: _NonNegative = 0.0
     pad_to_largest_shard: _Bool = False  # collective buffers sized by the group's largest shard
     gradient_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None  # dK/dV element; None = the step dtype
+    # issue 24, the CP mechanics of AR frameworks (frameworks.md A1, B1):
+    # K/V enter the exchange and the kernel at the K/V head count ("kv") or repeated to the query
+    # head count first ("query": TorchTitan's repeat_kv before SDPA; the repeat is a copy, the
+    # exchange moves n_heads / n_kv_heads times the bytes, and no GQA packing is possible)
+    kv_heads: Annotated[Literal["kv", "query"], FIGURE] = "kv"
+    # backward: the remote K/V are fetched again by the backward itself with the forward's
+    # exchange (torch CP's backward op re-gathers; the forward saved only the local K/V); a ring
+    # moves K/V in its backward in any case
+    refetch_kv: _Bool = False
+    # backward: dK/dV go home as the layout moves them ("layout": reduce-scatter after a gather,
+    # cp - 1 hops after a pass-KV ring) or on their own ring posted after every step's backward
+    # call ("ring": torch CP's all-to-all dK/dV rotater, cp hops, each waited at the next step,
+    # the last one home)
+    dkv_exchange: Annotated[Literal["layout", "ring"], FIGURE] = "layout"
+    # "kv": ranks exchange K/V between sequence shards (the layout's all-gather or ring);
+    # "heads": Ulysses (Megatron cp_comm_type a2a): all-to-alls of Q, K, V from sequence to head
+    # shards before attention and of O back, waited on (backward: dO in, dQ, dK, dV back); each
+    # rank attends every position over heads / cp (tp*cp must divide the heads, plan/rules.py)
+    context_exchange: Annotated[Literal["kv", "heads"], FIGURE] = "kv"
 
     @model_validator(mode="after")
     def _default_kernel(self) -> "Pass":
@@ -409,6 +435,9 @@ class Implementation(BaseModel):
                 if p is not None and p.split == "noisy-prefix" and name != "csbp":
                     raise ValueError(f"{name}: the noisy-prefix split needs whole noisy blocks and the "
                                      "whole clean sequence on each rank after the exchange (csbp only)")
+                if p is not None and p.context_exchange == "heads" and name not in ("cp", "cp-ring"):
+                    raise ValueError(f"{name}: Ulysses (context_exchange: heads) shards heads over a "
+                                     "cp group of the whole sequence (cp, cp-ring only)")
         return self
 
     @staticmethod

@@ -13,6 +13,10 @@ reads data instead of testing objective names:
   with gradients and an autoregressive loss, a gradient-free self-conditioning decoder (its logits
   feed a soft embedding) that runs when any example of the EP group draws it, and the trained
   decoder over the noisy canvas; frozen router.
+- ar: plain autoregressive training (TorchTitan, Megatron-Core; shared/reference/frameworks.md):
+  one causal L-token sequence, next-token loss on every token, no noisy stream and no 2L. Its
+  mask is BD3-LM's clean-to-clean mask at block 1, so the layout holds it in the clean stream's
+  coordinates (`layout.objective_layout.CausalLayout`) and every count of the mask applies.
 - dflash2: a drafter conditioned on the frozen target's features, read from storage inside the
   step: the clean stream holds target features that only become K/V (no queries, no MLP), draft
   blocks start at sampled anchors, the loss runs over vocabulary blocks with the frozen LM head's
@@ -88,6 +92,10 @@ class ObjectiveShape:
     counted_tokens: str = "context"
     # dflash2: features mode of the workload ("offline" | "synthetic"; section 14), else None
     features: str | None = None
+    # ar: one causal stream of L tokens (the layout's clean coordinates at block 1), no noisy
+    # stream: every token is a query, a K/V row and a loss row; no block parallelism (nothing to
+    # deal out: bp/csbp are refused, plan/rules.py)
+    causal: bool = False
 
     def stored_bytes_per_token(self, model: ModelSpec) -> int:
         """Bytes of target features one context token reads from storage (0: none)."""
@@ -140,9 +148,12 @@ def objective_shape(workload: Workload, model: ModelSpec, plan: Plan | None = No
     """What `workload.objective` makes one step of `model` do (under `plan`: the EP group's
     MAX-synchronised self-conditioning; without one, a single example)."""
     obj = workload.objective
-    if obj == "ar":  # being built (issue 24): refuse rather than price it as BD3-LM
-        from csbp.simulator.errors import InputError
-        raise InputError("objective ar: not priced yet")
+    if obj == "ar":
+        return ObjectiveShape(**{**_BASE, "name": obj, "causal": True, "notes": (
+            f"ar: one causal sequence of {workload.seq_len} tokens (no noisy copy, no 2L), next-token "
+            "cross-entropy on every token (frameworks.md A3, B1); the causal mask is BD3-LM's "
+            "clean-to-clean mask at block 1, L(L+1)/2 pairs; CP shards it head-tail (2 cp chunks, "
+            "rank r holds chunks r and 2cp-1-r) as TorchTitan and Megatron-Core do",)})
     if obj == "fast-dllm-v2":
         share = (workload.seq_len - 1) / (2 * workload.seq_len)
         return ObjectiveShape(**{**_BASE, "name": obj, "rows_per_example": 2,

@@ -50,8 +50,8 @@ class Workload(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    seq_len: PositiveInt  # context L (clean tokens); the model sees 2L for BD3-LM
-    block_size: PositiveInt = 256
+    seq_len: PositiveInt  # context L (clean tokens); the model sees 2L for BD3-LM, L for AR
+    block_size: PositiveInt = 256  # AR: always 1 (`_causal_block`)
     objective: Objective = "bd3lm"
     micro_batch: PositiveInt = 1  # sequences per replica per step
     dtype: DType = "bf16"
@@ -70,6 +70,16 @@ class Workload(BaseModel):
     drafter_window: PositiveInt | None = None
     # linear GEMMs' dtype; None: the implementation profile's choice (bf16 when it names none)
     linear_dtype: LinearDType | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _causal_block(cls, data):
+        """AR has no blocks: its causal mask is BD3-LM's clean-to-clean mask at block 1 (a clean
+        token sees the clean tokens up to itself), so the block is 1 whatever was passed (the
+        commands' generic 256 included; `csbp` refuses an explicit --block-size with ar)."""
+        if isinstance(data, dict) and data.get("objective") == "ar":
+            return {**data, "block_size": 1}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "Workload":
