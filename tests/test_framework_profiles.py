@@ -263,7 +263,7 @@ def test_emitted_keys_are_the_frameworks_own():
     w = Workload(seq_len=65536, objective="ar", linear_dtype="fp8", zero_stage=3)
     toml = emit("torchtitan", "llama3.1-8b", w, Plan(dp=2, cp=4), 1, 8)
     for key in ("data_parallel_shard_degree = 2", "context_parallel_degree = 4", "tensor_parallel_degree = 1",
-                'mode = "full"', "seq_len = 65536", "[float8]"):
+                'mode = "full"', "seq_len = 65536", "[float8]", 'fsdp_reshard_after_forward = "default"'):
         assert key in toml
     flags = emit("megatron", "llama3.1-8b", w.model_copy(update={"zero_stage": 1}),
                  Plan(dp=2, cp=4, transport="ring"), 1, 8)
