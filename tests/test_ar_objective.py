@@ -283,3 +283,37 @@ def test_ar_step_flops_are_about_half_of_bd3lms():
     # recompute its logits: ideal's chunked rule): the formulas agree to float rounding of sums
     # over layers (1e-9 relative)
     assert g_ar.flops(include_recompute=False).sum() == pytest.approx(g_ar.model_flops, rel=1e-9)
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+def test_ar_refuses_an_explicit_block_size_in_one_line():
+    import argparse
+
+    from csbp.simulator.commands.cli_args import add_workload_args, inputs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser)
+    ok = inputs_from_args(parser.parse_args(["--model", "tiny", "--seq-len", "4k", "--objective", "ar"]))
+    assert ok.workload.block_size == 1 and ok.workload.objective == "ar"
+    with pytest.raises(InputError, match="objective ar has no blocks"):
+        inputs_from_args(parser.parse_args(["--model", "tiny", "--seq-len", "4k", "--objective", "ar",
+                                            "--block-size", "256"]))
+
+
+def test_map_compares_objectives_cell_by_cell():
+    """`csbp map --objectives ar,bd3lm`: each cell planned once per objective, side by side. AR
+    does about half of BD3-LM's work per context token (test above), so its best plan's tokens/s
+    is higher at every cell."""
+    from csbp.simulator.grids.decision_map import objective_table
+    from csbp.simulator.grids.grid import cells, search_cells
+
+    profile = load_profile("h200")
+    grid = cells(["tiny"], ["4k", "8k"], ["8"], profile, objectives=["ar", "bd3lm"])
+    assert [(c.objective, c.seq_len) for c in grid] == [("ar", 4096), ("ar", 8192), ("bd3lm", 4096), ("bd3lm", 8192)]
+    df = objective_table(search_cells(grid, profile, engine="closed-form", jobs=1), profile.name)
+    assert list(df.objective) == ["ar", "ar", "bd3lm", "bd3lm"] and df.feasible.all()
+    assert (df[df.objective == "ar"].vs_first == 1.0).all()
+    assert (df[df.objective == "bd3lm"].vs_first < 1.0).all()
+    assert not df[df.objective == "ar"].plan.str.contains("bp=").any()
