@@ -270,3 +270,33 @@ def test_emitted_keys_are_the_frameworks_own():
     for flag in ("--context-parallel-size 4", "--cp-comm-type p2p", "--tensor-model-parallel-size 1",
                  "--use-distributed-optimizer", "--fp8-format hybrid"):
         assert flag in flags
+
+
+def test_te_gathers_the_fp8_norm_output_under_tp():
+    """frameworks.md B2: under FP8 the sequence-parallel all-gather into the linears moves the FP8
+    copy (1 B per element); the backward's gathers and every bf16 step keep the step dtype."""
+    m, plan = llama(), Plan(dp=4, tp=2)
+    w = Workload(seq_len=32768, objective="ar")
+    def gathers(g):
+        return {(op.phase, op.name): op.work for op in g.ops if op.layer == 1 and op.name.endswith(".ag")}
+    bf16, fp8 = gathers(graph(m, w, plan, MEGATRON)), gathers(graph(m, w.model_copy(update={"linear_dtype": "fp8"}),
+                                                                      plan, MEGATRON))
+    for key in (("forward", "attn-in.ag"), ("forward", "mlp-in.ag")):
+        assert fp8[key].bytes[0] == pytest.approx(bf16[key].bytes[0] / 2, rel=EXACT)
+        assert bf16[key].bytes[0] == pytest.approx(32768 * m.hidden * 2 / 2, rel=EXACT)  # half received
+    titan = gathers(graph(m, w.model_copy(update={"linear_dtype": "fp8"}), plan, TITAN))
+    assert titan[("forward", "attn-in.ag")].bytes == bf16[("forward", "attn-in.ag")].bytes
+
+
+@pytest.mark.parametrize("name", ["torchtitan", "megatron-te"])
+@pytest.mark.parametrize("transport", ["collective", "ring"])
+def test_both_profiles_price_block_diffusion_on_dp_and_cp(name, transport, h200):
+    """BD3-LM's 2L step under the frameworks' mechanisms (no BP): the graph builds, the step
+    has attention calls on the profile's kernel family and a finite peak."""
+    w = Workload(seq_len=16384)
+    kernel = {"torchtitan": "fa2", "megatron-te": "cudnn"}[name]
+    for plan in (Plan(dp=2, cp=4, transport=transport), Plan(dp=8)):
+        g = graph(M8, w, plan, name)
+        calls = [op.work for op in g.ops if isinstance(op.work, Compute) and op.work.kind.startswith("attention")]
+        assert calls and {c.kernel for c in calls} == {kernel}
+        assert np.isfinite(estimate(M8, w, plan, name, h200).peak_gib)

@@ -7,9 +7,11 @@ the hardware profile's. A mixin of the builder.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from csbp.simulator.cost.step_ops import LOSS_BYTES, Compute, Deps, Phase
+from csbp.simulator.cost.step_ops import LOSS_BYTES, Comm, Compute, Deps, Phase
 from csbp.simulator.workload.spec import AttentionSpec
 
 # Weight tensors per layer whose amax one all-reduce carries (Llama's wq, wk, wv, wo, w1, w2, w3);
@@ -68,6 +70,17 @@ class FP8Ops:
             nbytes = inputs * f.activation_cast_bytes + (
                 0.0 if cached and phase == "recompute" else weights * f.weight_cast_bytes)
         return self.memory_bound(nbytes) if np.any(nbytes) else None
+
+    def norm_gather(self, mlp: bool = False) -> Comm | None:
+        """The forward's sequence-parallel all-gather of a norm output into the linears (attention
+        or, `mlp`, the MLP's): in the implementation's FP8 element when the linears run FP8 and it
+        gathers the cast copy (Transformer Engine, frameworks.md B2), else the step dtype's."""
+        base = self.mlp_collective("all-gather") if mlp else self.tp_collective("all-gather")
+        nbytes = self.impl.fp8.tp_gather_bytes
+        if base is None or not nbytes or self.linear_dtype() != "fp8":
+            return base
+        return self.cached(("tp-fp8-gather", mlp), lambda: replace(
+            base, bytes=tuple(b * nbytes / self.dt for b in base.bytes)))
 
     def fp8_amax(self, x: Deps) -> Deps:
         """The weights' amax all-reduced over the shard group once the optimizer has stepped

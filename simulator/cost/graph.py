@@ -284,7 +284,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         c = self.cached
         norm_work = c(("norm", a), lambda: self.memory_bound(self.norm_bytes(a)))
         f_in, f_out = c(("mix", a), lambda: self.mixer_gemms(a))
-        x = self.tp_step("attn-in.ag", phase, li, self.tp_collective("all-gather"), x)
+        x = self.tp_step("attn-in.ag", phase, li, self.norm_gather(), x)  # FP8 under TE (fp8_ops)
         x = self.add("norm-rope", phase, li, norm_work, x)
         x = self.add("fp8.cast", phase, li, c(("fp8", a, phase), lambda: self.fp8_casts(a, phase)), x)
         x = self.add("qkv", phase, li, c(("qkv", a), lambda: self.linear_gemm(f_in)), x)
@@ -295,7 +295,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
             x = self.attention_forward(li, a, phase, x)
         x = self.add("out-proj", phase, li, c(("out", a), lambda: self.linear_gemm(f_out)), x)
         x = self.tp_step("attn-out.rs", phase, li, self.tp_collective("reduce-scatter"), x)
-        x = self.tp_step("mlp-in.ag", phase, li, self.mlp_collective("all-gather"), x)
+        x = self.tp_step("mlp-in.ag", phase, li, self.norm_gather(mlp=True), x)
         x = self.add("norm-swiglu", phase, li, norm_work, x)
         x = self.ffn(li, phase, x, backward=False)
         return self.tp_step("mlp-out.rs", phase, li, self.mlp_collective("reduce-scatter"), x) + self.tp_side()

@@ -362,6 +362,9 @@ class FP8Linears(BaseModel):
     # one all-reduce of every linear's weight amax over the shard group after the optimizer step
     # (torchao's precompute_float8_dynamic_scale_for_fsdp)
     amax_all_reduce: _Bool = False
+    # element of the norm output's sequence-parallel all-gather into the linears when they run
+    # FP8 (Transformer Engine casts before the gather: 1); None: the step dtype
+    tp_gather_bytes: Annotated[int | None, Field(ge=1, le=4), FIGURE] = None
 
 
 class HeadDimCopy(BaseModel):
