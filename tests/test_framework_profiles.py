@@ -300,3 +300,30 @@ def test_both_profiles_price_block_diffusion_on_dp_and_cp(name, transport, h200)
         calls = [op.work for op in g.ops if isinstance(op.work, Compute) and op.work.kind.startswith("attention")]
         assert calls and {c.kernel for c in calls} == {kernel}
         assert np.isfinite(estimate(M8, w, plan, name, h200).peak_gib)
+
+
+def test_torchtitan_loss_buffers_are_what_cross_entropy_keeps_alive():
+    """The profile's [rows, V] loss buffers (frameworks.md A3 plus our inference about
+    F.cross_entropy) against live tensor bytes counted on CPU by the runtime's tracker (the
+    quantity max_memory_allocated gives; the autograd graph of these ops is the device's):
+    forward: the bf16 logits (alive before) + the fp32 copy + log_softmax's output; backward:
+    three fp32 buffers at once. Tolerance: the scalar loss and labels add bytes that do not
+    grow with the logits (< 1e-4 B per logit here)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from csbp.runtime.memory.memory_tracker import AllocatedBytes
+
+    rows, vocab = 512, 8192
+    torch.manual_seed(0)
+    pred = torch.randn(rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows,))
+    mode = AllocatedBytes()
+    with mode:
+        base = mode.now
+        loss = F.cross_entropy(pred.float(), labels)
+        forward = (mode.peak - base) / (rows * vocab) + 2  # + the bf16 logits themselves
+        mode.peak = mode.now
+        loss.backward()
+        backward = (mode.peak - base) / (rows * vocab)
+    assert forward == pytest.approx(sum(TITAN.loss.logits_buffers), abs=1e-4)
+    assert backward == pytest.approx(sum(TITAN.loss.backward_tile_bytes), abs=1e-4)
