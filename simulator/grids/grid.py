@@ -21,6 +21,8 @@ from csbp.simulator.errors import InputError
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.plan.plan import AXES
 from csbp.simulator.planner.planner import Search, search
+from csbp.simulator.workload.objectives import default_objective
+from csbp.simulator.workload.presets import load_model
 from csbp.simulator.workload.workload import parse_tokens
 
 
@@ -102,8 +104,8 @@ def workload_inputs(model: str, seq_len: int, flags: argparse.Namespace, objecti
     over: dict = {"model": model, "seq_len": seq_len}
     if objective is not None:
         over["objective"] = objective
-        if objective == "ar":  # a causal sequence has no blocks: the grid's block size is not its
-            over["block_size"] = None
+    if (objective or default_objective(load_model(model))) == "ar":
+        over["block_size"] = None  # a causal sequence has no blocks: the grid's block size is not its
     return inputs_from_args(argparse.Namespace(**vars(flags) | over))
 
 

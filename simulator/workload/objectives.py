@@ -283,4 +283,6 @@ def default_objective(model: ModelSpec) -> str:
         return "diffusiongemma"
     if name.startswith("dflash"):
         return "dflash2"
+    if name.startswith("llama"):  # plain AR models as TorchTitan / Megatron-Core train them (issue 24)
+        return "ar"
     return "bd3lm"
