@@ -136,6 +136,12 @@ def test_llama_presets_match_their_published_sizes(name, published):
     assert not model.tie_embeddings and model.n_layers == 32 and model.hidden == 4096
 
 
+def test_llama_presets_train_autoregressively_by_default():
+    from csbp.simulator.workload.objectives import default_objective
+
+    assert {default_objective(load_model(n)) for n in ("llama3.1-8b", "llama2-7b")} == {"ar"}
+
+
 def _hand_megatron(s: int, layers: int, h: int, n: int, g: int, head_dim: int, ffn: int, vocab: int) -> float:
     """Megatron's num_floating_point_operations for one sequence, written as Megatron writes it
     (expansion 12, causal attention s / (2h), SwiGLU 3/2, logits 6 s h V)."""
