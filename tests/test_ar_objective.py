@@ -244,6 +244,12 @@ def test_ulysses_all_to_alls_are_waited_and_attention_is_split_by_heads():
     per_pair = 4 * model.layers[0].head_dim * model.layers[0].n_heads
     total = 32768 * 32769 // 2
     assert graph.ops[attn].work.flops == pytest.approx((total * per_pair / 4,) * 4, rel=1e-12)
+    # memory holds the head shards and the all-to-all buffers, not a gathered sequence of K/V
+    from csbp.simulator.cost.memory import estimate_memory
+
+    prof = load_profile("h200").model_copy(update={"implementation": impl})
+    ops = {m.op for m in estimate_memory(model, w, Plan(cp=4), Layout.build(w, Plan(cp=4)), prof).timeline.moments}
+    assert "qkv.a2a" in ops and "kv.gather" not in ops
 
 
 def test_repeat_kv_moves_kv_at_the_query_heads():

@@ -142,8 +142,8 @@ class AttentionOps:
         fwd, bwd, out = self.facts("forward"), self.facts("backward"), []
         if fwd.context_exchange == "heads":
             out.append("CP as Ulysses: all-to-alls of Q, K, V to head shards and of O back, waited on; "
-                       "one attention call over every position on heads / cp; memory counts the "
-                       "gathered K/V of an all-gather instead of the head shards [U]")
+                       "one attention call over every position on heads / cp; memory holds the head "
+                       "shards (as large as the rank's own q, k, v) and the all-to-all buffers [U]")
             return out
         ring = self.p.transport == "ring"
         if self.cut("ring" if ring else "all-gather", "forward") == "steps":

@@ -222,6 +222,8 @@ def layer_memory(model: ModelSpec, layout: Layout, a: AttentionSpec, s: Sizes,
     positions = T / s.batch  # queries (and local keys) per sequence
     pattern = kv_rows.pattern(layout, a, "forward")
     received = kv_rows.held_at_once(layout, a).astype(float)  # remote K/V rows per sequence
+    if pattern != "none" and s.family is not None and s.family.forward.context_exchange == "heads":
+        pattern, received = "heads", np.zeros_like(received)  # Ulysses: head shards, no K/V rows
     own = kv_rows.packed_rows(layout, a).astype(float)  # rows this rank sends (its shard)
     row = s.batch * kv_w * a.kv_tensors * dt / tp  # one K/V row (K and V) of every sequence
     if s.family is not None and s.family.forward.kv_heads == "query":  # repeated to the query heads
@@ -316,7 +318,12 @@ def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions,
         forward.append(("kv.gather", pre, {"comm": 2 * kept["kv"]}))
     elif pattern == "ring":  # two ring buffers in flight; nothing kept (streamed again)
         forward.append(("kv.ring1", pre, {"comm": 2 * received * row}))
-    split = pattern != "none" or layout.kind == "bp"
+    elif pattern == "heads":  # Ulysses: every position's q, k, v on heads / cp, as large as the
+        # rank's own; its send and receive buffers at the all-to-all, the head shards kept [U]
+        shards = qw + kv_w * a.kv_tensors * unit
+        forward.append(("qkv.a2a", pre, {"comm": 2 * shards}))
+        kept = {"kv": shards}
+    split = pattern not in ("none", "heads") or layout.kind == "bp"
     # a split attention merges partial outputs by LSE with an fp32 numerator
     forward.append(("attn.local" if split else "attn", _merge(pre, kept),
                     {"transient": (acc + qw) if split else 0.0}))
@@ -333,6 +340,8 @@ def _fused_layer(layout, s, hid, f, f_one, unit, q_width, gate, kv_w, positions,
         passes = s.family.backward.copy_passes if s.family is not None else (3 if layout.plan.bp == 1 else 0)
         copies = 2 if passes else 1  # the send buffer, and one copy beside it while copying
         backward.append(("dkv.scatter", None, {"dkv": dkv + copies * (received + own) * row}))
+    if pattern == "heads":  # dQ, dK, dV of the head shards back to the sequence shards
+        backward.append(("dqkv.a2a", None, {"comm": 2 * kept["kv"]}))
     return LayerMemory(attn, mlp, forward, backward)
 
 
