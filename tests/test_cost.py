@@ -106,12 +106,18 @@ def test_a_collective_lasts_as_long_as_its_slowest_member(h200):
 
 
 def test_cpu_host_profile_adds_per_op_overhead_and_core_share():
-    cpu = load_profile("cpu-measured").on_one_host(4)
+    measured = load_profile("cpu-measured").on_one_host(4)
+    # a profile without measured sharing curves (rank_speed): one core share for everything
+    cpu = measured.model_copy(update={"node": measured.node.model_copy(update={"rank_speed": None})})
     work = Compute("elementwise", (0.0, 0.0), (1e6, 0.0))
     t = compute_seconds(work, cpu)
     base = 1e6 / (cpu.gpu.hbm_gbs * 1e9 * cpu.gpu.hbm_efficiency)
     # host overhead is CPU time too: it shares the cores like the arithmetic
     assert t[0] == pytest.approx((base + cpu.gpu.op_overhead_us * 1e-6) / cpu.node.core_share(4))
+    if measured.node.rank_speed:  # with curves: memory-bound work and host time each by its own
+        t = compute_seconds(work, measured)
+        assert t[0] == pytest.approx(base / measured.node.rank_share("memory", 4)
+                                     + cpu.gpu.op_overhead_us * 1e-6 / measured.node.rank_share("host", 4))
     assert t[1] == 0.0  # no work, no op
     assert np.all(t >= 0)
 
