@@ -347,15 +347,15 @@ class FP8Linears(BaseModel):
     # the GEMMs of each block linear that run FP8 when the linear dtype is fp8 (the rest bf16)
     gemms: Annotated[tuple[Literal["forward", "dgrad", "wgrad"], ...], FIGURE] = ("forward", "dgrad", "wgrad")
     # per element of each linear's input in forward (and recompute), of each linear's output
-    # gradient in backward, and of each input recast in backward (a framework that saves the
-    # high-precision input casts it again for wgrad)
+    # gradient in backward, and of each input passed over again in backward (recast from a saved
+    # high-precision input, or the saved FP8 copy laid out anew for wgrad)
     activation_cast_bytes: _NonNegative = 0.0
     gradient_cast_bytes: _NonNegative = 0.0
     backward_input_cast_bytes: _NonNegative = 0.0
     # per weight element: each forward pass (recompute included) casts the weights again, or
     # (`weight_cache_bytes` > 0) once per step into cached copies alive the whole step
     weight_cast_bytes: _NonNegative = 0.0
-    backward_weight_cast_bytes: _NonNegative = 0.0  # per weight element in backward (a transposed cast)
+    backward_weight_cast_bytes: _NonNegative = 0.0  # per weight element in backward (recast or re-laid out)
     weight_cache_bytes: _Bytes = 0  # cached FP8 weight copies per parameter (TE: FP8 + its transpose)
     # FP8 copies of a linear's input alive beside its GEMM, bytes per input element
     activation_copy_bytes: _NonNegative = 0.0
