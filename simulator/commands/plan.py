@@ -166,8 +166,16 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
         job += f", what-if {what_if.spec}"
     if announce:
         announce(f"Planning {job}")
-    found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
-                   keep=args.top, **searched)
+    from csbp.simulator.planner.method_vs_implementation import baselines_ahead
+
+    # the other implementation's baseline search needs nothing from this one: it runs beside it
+    with baselines_ahead(inputs.model, inputs.workload, profile, args.nodes, args.engine, **searched) as ahead:
+        found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
+                       keep=args.top, prune_placements=not args.sensitivity, **searched)
+        return _answered(args, searched, inputs, yours, profile, what_if, found, ahead)
+
+
+def _answered(args, searched, inputs, yours, profile, what_if, found, ahead) -> Planned:
     command = None
     if args.out:
         write_plan_file(found, args.out, args.hardware)
@@ -184,7 +192,7 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
     from csbp.simulator.planner.method_vs_implementation import speedup_by_implementation
 
     return Planned(found, args, your_run, command, emitted, what_if, sens,
-                   speedup_by_implementation(found, **searched))
+                   speedup_by_implementation(found, ahead, **searched))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,9 @@ Why it is below both engines (and below `bounds.py`'s graph bounds):
 3. Everything left out only adds time: norms and element-wise work, collectives and waits, the
    embedding, soft embedding and conditioning, the self-conditioning (canvas) pass, linear
    attention's core, a drafter's context projections and storage read, the optimizer.
+   (The storage read and host copy of a drafter's offline features run on their own reader
+   streams: the floor is the larger of the compute floor and the longest reader stream,
+   `reader_floor`, by `bounds.py` reason 6; issue 25.)
 4. By reason 1 of `bounds.py`, a rank's compute stream lasts at least the sum of its compute
    ops; the step at least its busiest rank's; lowered by `bounds.ROUNDING_MARGIN`.
 
@@ -159,10 +162,43 @@ def compute_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
     return {"none": none, "full": none + obj.passes * fwd}
 
 
+def reader_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
+                 layout: Layout) -> np.ndarray | None:
+    """Per representative rank, the longest reader stream (a drafter's offline features: the
+    storage read, the host-to-GPU copy), or None where the step has none.
+
+    `bounds.py` reason 6: each reader stream runs its ops one after another from the step's
+    start, so the step lasts at least each stream's sum, whatever the compute does. The ops are
+    the step graph's own (the builder's `feature_io` on an empty op list, the same call the
+    graph makes) priced by `cost.seconds` (what `engine.durations` prices them with), so the
+    sum is the one the graph bound takes, without building a graph: an I/O-bound candidate
+    (every drafter plan on the offline default) is capped at once instead of at the quick bound.
+    """
+    obj = objective_shape(workload, model, plan)
+    if getattr(obj, "features", None) != "offline" or not obj.stored_bytes_per_token(model):
+        return None
+    from csbp.simulator.cost.cost import seconds
+    from csbp.simulator.cost.graph import _Builder  # the builder's own reader ops
+    from csbp.simulator.engine.program import IO_STREAMS
+
+    builder = _Builder(model, batch_rows(workload, model), plan, layout, profile.node.gpus_per_node,
+                       implementation=profile.implementation)
+    builder.feature_io(())
+    streams: dict[str, np.ndarray] = {}
+    for op in builder.ops:
+        if op.stream in IO_STREAMS:  # summed in program order, from zero, as bounds.segment_sums
+            streams[op.stream] = streams.get(op.stream, np.zeros(layout.size)) + seconds(op.work, profile)
+    return np.max(list(streams.values()), axis=0) if streams else None
+
+
 def floor_bounds(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
                  layout: Layout) -> dict[str, float] | None:
-    """Seconds no engine's step of this plan can undercut, by checkpointing; None: no floor."""
+    """Seconds no engine's step of this plan can undercut, by checkpointing; None: no floor.
+    The compute floor, or a reader stream where that is longer (`reader_floor`)."""
     busy = compute_floor(model, workload, plan, profile, layout)
     if busy is None:
         return None
+    readers = reader_floor(model, workload, plan, profile, layout)
+    if readers is not None:
+        busy = {ckpt: np.maximum(b, readers) for ckpt, b in busy.items()}
     return {ckpt: float(b.max()) * (1 - ROUNDING_MARGIN) if b.size else 0.0 for ckpt, b in busy.items()}

@@ -6,20 +6,113 @@ and once under `turbo-dllm` (what the reference framework executes: kernels, wai
 best plan without BP is searched again under each profile, since the baseline a user would pick
 changes with what the framework runs; that search wants the baseline alone
 (`search(baseline_only=True)`: the full search's baseline, for fewer simulations).
+
+That second search needs nothing from the first (only the recommendation's own re-simulation
+does), so `csbp plan` starts it in a forked process before its main search (`baselines_ahead`):
+on two cores the two searches run side by side instead of one after the other. The child runs
+the same `search` call on the same inputs (the same code on the same CPU, so the same floats)
+and sends back the baseline it found, or the error it raised, which is raised where the
+inline search would have raised it.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+
 from csbp.simulator.planner.planner import Search, plan_of, search
+from csbp.simulator.planner.workers import Workers
 from csbp.simulator.engine.simulate import simulate
+from csbp.simulator.report.result import Result
+from csbp.simulator.system.hardware import HardwareProfile
+from csbp.simulator.workload.spec import ModelSpec
 from csbp.simulator.workload.workload import Workload
 
 PROFILES = ("ideal", "turbo-dllm")
 
 
-def speedup_by_implementation(found: Search, **searched) -> dict[str, float | None]:
+def _baseline(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, engine: str,
+              **searched) -> Result | None:
+    """The best plan without BP under `profile` (the other implementation's search)."""
+    return search(model, workload, profile, nodes, engine=engine, keep=1, baseline_only=True,
+                  **searched).baseline
+
+
+class BaselinesAhead:
+    """The other profiles' baseline searches, each in a forked process started at once; a
+    context manager that ends whichever were not collected (the main search failed)."""
+
+    def __init__(self, model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int,
+                 engine: str, **searched) -> None:
+        self.inputs = (model, workload, profile)  # the very objects the search is given
+        self.key = (nodes, engine)
+        self.running: dict[str, tuple] = {}
+        if not Workers(searched.get("workers")).parallel:
+            return  # one core (or no fork): searched inline afterwards, as before
+        ctx = mp.get_context("fork")
+        for name in PROFILES:
+            if name == profile.implementation:
+                continue
+            other = profile.model_copy(update={"implementation": name})
+            receive, send = ctx.Pipe(duplex=False)
+            # one process each; the main search keeps the other core (results do not depend on
+            # the worker count: workers return in order, the same calls)
+            child = ctx.Process(target=_child, args=(send, model, workload, other, nodes, engine,
+                                                     searched | {"workers": 1}), daemon=True)
+            child.start()
+            send.close()
+            self.running[name] = (child, receive)
+
+    def baseline(self, name: str, model: ModelSpec, workload: Workload, profile: HardwareProfile,
+                 nodes: int, engine: str) -> tuple[bool, Result | None]:
+        """(found ahead?, the baseline) for `name`, if started for exactly these inputs."""
+        same = all(a is b for a, b in zip((model, workload, profile), self.inputs))
+        if name not in self.running or not same or (nodes, engine) != self.key:
+            return False, None
+        child, receive = self.running.pop(name)
+        try:
+            ok, value = receive.recv()
+        except EOFError:  # the child died without a word (killed): search here instead
+            child.join()
+            return False, None
+        child.join()
+        if not ok:
+            raise value
+        return True, value
+
+    def close(self) -> None:
+        for child, receive in self.running.values():
+            child.terminate()
+            child.join()
+            receive.close()
+        self.running.clear()
+
+    def __enter__(self) -> "BaselinesAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _child(send, model, workload, profile, nodes, engine, searched) -> None:
+    try:
+        out = (True, _baseline(model, workload, profile, nodes, engine, **searched))
+    except Exception as err:  # noqa: BLE001 (raised in the parent, where the inline search would)
+        out = (False, err)
+    send.send(out)
+    send.close()
+
+
+def baselines_ahead(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int,
+                    engine: str = "des", **searched) -> BaselinesAhead:
+    """Start the baseline searches `speedup_by_implementation` will need for a search of these
+    inputs (with the same `searched` keywords), before that search runs."""
+    return BaselinesAhead(model, workload, profile, nodes, engine, **searched)
+
+
+def speedup_by_implementation(found: Search, ahead: BaselinesAhead | None = None,
+                              **searched) -> dict[str, float | None]:
     """{profile: recommended plan's tokens/s over the best no-BP plan's}, None where either does
-    not fit or no plan without BP fits."""
+    not fit or no plan without BP fits. `ahead`: baselines already being searched."""
     rec = found.recommended
     out: dict[str, float | None] = {}
     for name in PROFILES:
@@ -27,11 +120,12 @@ def speedup_by_implementation(found: Search, **searched) -> dict[str, float | No
             out[name] = found.speedup
             continue
         profile = found.profile.model_copy(update={"implementation": name})
-        other = search(found.model, found.workload, profile, found.nodes, engine=found.engine, keep=1,
-                       baseline_only=True, **searched)
+        done, base = ahead.baseline(name, found.model, found.workload, found.profile, found.nodes,
+                                    found.engine) if ahead else (False, None)
+        if not done:
+            base = _baseline(found.model, found.workload, profile, found.nodes, found.engine, **searched)
         mine = simulate(found.model, Workload(**rec.workload), plan_of(rec), profile, found.nodes,
                         engine=found.engine, with_trace=False)
-        base = other.baseline
         out[name] = (mine.tokens_per_s / base.tokens_per_s
                      if base is not None and mine.tokens_per_s and base.tokens_per_s else None)
     return out

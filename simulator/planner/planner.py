@@ -325,7 +325,7 @@ def cluster_gpus(profile: HardwareProfile, nodes: int) -> int:
 def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
            axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None,
-           keep: int | None = None, baseline_only: bool = False) -> Search:
+           keep: int | None = None, baseline_only: bool = False, prune_placements: bool = True) -> Search:
     """Drop what does not fit, screen the rest with the closed form, re-score the best with
     `engine`, rank.
 
@@ -340,6 +340,10 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     and the engine re-scores only the picks without BP (and their placements): the baseline is
     the one the full search reports, as the same bp == 1 plans are picked and re-scored the same
     way; `ranked` then need not start with an `engine` result (no InputError for that).
+
+    `prune_placements` (with `keep`): a re-scored plan's other placement is re-scored only where
+    its bounds say it could enter what is reported (`_variant_matters`); False re-scores every
+    one (what `--sensitivity` re-ranks: all the engine's results).
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
@@ -347,14 +351,14 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
                             implementation=profile.implementation)
     with Workers(workers) as pool:
         found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool,
-                        baseline_only and keep is not None)
+                        baseline_only and keep is not None, prune_placements)
     found.seconds = time.perf_counter() - start
     return found
 
 
 def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, space: Space,
             engine: str, des_top: int, keep: int | None, pool: Workers,
-            baseline_only: bool = False) -> Search:
+            baseline_only: bool = False, prune_placements: bool = True) -> Search:
     counts = {"floor": 0, "quick": 0, "tight": 0}
     fitting = []
     for cand in space.candidates:
@@ -392,6 +396,9 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         variants = [Candidate(c.plan.model_copy(update={"placement": where}), c.workload)
                     for c in (screened[i][0] for i in picks)
                     for where in placements(c.plan, cluster_gpus(profile, nodes), profile.node.gpus_per_node)[1:]]
+        if keep is not None and prune_placements:  # only those that could change the report
+            variants = [v for v in variants if _variant_matters(model, profile, v, rescored, keep,
+                                                                baseline_only, counts)]
         rescored = sorted(rescored + [r for _, r in evaluate(variants, engine)], key=rank_key)
         evaluations += len(picks) + len(variants)
         picked = set(picks)
@@ -503,6 +510,48 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
             continue
         done.add(i)
         scored += [(i, c, r) for c, r in evaluate([cand])]
+
+
+def _variant_matters(model: ModelSpec, profile: HardwareProfile, cand: Candidate,
+                     rescored: list[Result], keep: int, baseline_only: bool,
+                     counts: dict[str, int]) -> bool:
+    """Whether a placement variant of a re-scored plan could change what the search reports: the
+    first `keep` of the ranking, each family's best, the best without BP (the baseline), or for
+    `baseline_only` the baseline alone. `rescored`: the engine's results of the picks, best first.
+
+    The ranking starts with every re-scored plan, variants included, in rank_key order, so a
+    variant enters the first `keep` only if it reaches the keep-th of the picks' results (more
+    results only raise that bar), and a group's best only if it reaches that group's best pick
+    (ties are kept: PRUNE_TOLERANCE, as in the screen). Its tokens/s is at most its cap over
+    each lower bound (below both engines: `bounds.py`, `floor.py`): its compute floor, then its
+    tight bound (its own K/V transfers, which the placement moves between links and the quick
+    bound leaves out), the second only while the variant still could; a variant that loses
+    cannot be reported and is not re-scored (issue 25: placement twins cost a graph and an
+    event-engine run each)."""
+    best: dict[str, float] = {}
+    for r in rescored:
+        for g in _groups(plan_of(r), baseline_only):
+            best.setdefault(g, r.tokens_per_s or 0.0)
+    need = dict(best)
+    need.pop("all", None)
+    if len(rescored) >= keep:
+        need["all"] = rescored[keep - 1].tokens_per_s or 0.0
+    groups = ("no-bp",) if baseline_only else _groups(cand.plan)
+    bars = [need.get(g) for g in groups]
+    if any(bar is None for bar in bars):  # a group with no re-scored member: anything enters it
+        return True
+    bar = min(bars) * (1 - PRUNE_TOLERANCE)
+    tokens = cand.workload.seq_len * cand.workload.micro_batch * cand.plan.sequences
+    ckpt = cand.workload.checkpointing
+    floor = floor_bounds(model, cand.workload, cand.plan, profile,
+                         Layout.build(as_executed(cand.workload, model), cand.plan))
+    counts["floor"] = counts.get("floor", 0) + 1
+    if floor is not None and _cap(tokens, floor[ckpt]) < bar:
+        return False
+    # the quick bound leaves the K/V exchange out, which is what a placement changes: the tight one
+    counts["tight"] = counts.get("tight", 0) + 1
+    key = bound_key(cand.plan, cand.workload, profile, keys_at_home=False)
+    return _cap(tokens, _lower_bounds(model, profile, key)[ckpt]) >= bar
 
 
 def _groups(plan: Plan, baseline_only: bool = False) -> tuple[str, ...]:
