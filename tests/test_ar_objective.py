@@ -93,6 +93,35 @@ def test_pairs_equal_the_dense_causal_mask(seq_len, cp):
     assert len(every) == L * (L + 1) // 2
 
 
+@pytest.mark.parametrize("workload,plan", [
+    (ar(64), Plan(cp=4)), (ar(64), Plan(cp=2, transport="ring")),
+    (Workload(seq_len=64, block_size=8), Plan(cp=4)), (Workload(seq_len=64, block_size=8), Plan(cp=2, bp=4)),
+    (Workload(seq_len=96, block_size=4), Plan(bp=3))])
+def test_step_call_shapes_equal_the_mask(workload, plan):
+    """The queries and keys a shaped step call runs (`QueryIntervals.queries_seeing_each`,
+    `keys_seen_each`: the rows of the mask's rectangle that meet it), on both of their paths
+    (contiguous monotone runs, and the per-run fallback), equal the dense mask's."""
+    from csbp.simulator.layout import mask
+    from csbp.simulator.layout.pairs import QueryIntervals
+
+    lay = Layout.build(workload, plan)
+    L, b = lay.seq_len, lay.block
+    for r in range(lay.size):
+        sets = [s.owned_kv for s in lay.shares] + [((0, 2 * L),), ((L, L + 5), (L + 20, L + 33)), ((3, 9),)]
+        q = mask.span_positions(lay.shares[r].positions)
+        want = []
+        for keys in sets:
+            vis = mask.visible(q[:, None], mask.span_positions(keys)[None, :], L, b)
+            want.append((int(vis.any(axis=1).sum()), int(vis.any(axis=0).sum())))
+        fast = QueryIntervals.of(lay, r)
+        slow = QueryIntervals.of(lay, r)
+        slow._monotone = None  # the per-run path
+        for qi in (fast, slow):
+            got = list(zip(qi.queries_seeing_each(sets).tolist(), qi.keys_seen_each(sets).tolist()))
+            assert got == want
+        assert fast._monotone is not None  # without a window the runs are monotone
+
+
 def test_ar_layout_moves_each_rank_its_peers_kv():
     """The Layout's exchanges apply: an all-gather brings every rank the other shards, a ring
     cp - 1 steps of one shard each; backward reduce-scatters / rings dK/dV home."""

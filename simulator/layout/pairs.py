@@ -90,38 +90,98 @@ class QueryIntervals:
         """Queries with at least one visible key in each key set: the query rows a call over
         that set runs when it skips the queries that see none of its keys (the frameworks' CP
         step calls, Q(C) x K(2C) rather than Q(2C) x K(2C)). Exact without a window (every query
-        of a block sees the same runs); with one, every query is counted [U]."""
+        of a block sees the same runs); with one, every query is counted [U].
+
+        A run [a, z) meets a set of sorted disjoint spans iff the last span starting below z
+        ends above a: one searchsorted per run over every set's spans at once (sets offset
+        apart so that their spans never interleave)."""
         out = np.zeros(len(key_sets), dtype=np.int64)
         if self._runs is not None:
             out[:] = int(self._runs.n.sum())
             return out
-        for j, keys in enumerate(key_sets):
-            keys = normalize(keys)
-            if not keys or self.weight.size == 0:
-                continue
-            starts, stops = np.array(keys, dtype=np.int64).T
-            before = np.concatenate([[0], np.cumsum(stops - starts)])
+        spans = [(j, a, z) for j, keys in enumerate(key_sets) for a, z in normalize(keys)]
+        if not spans or self.weight.size == 0:
+            return out
+        ranges = self._monotone_runs()
+        if ranges is not None:  # each span meets one contiguous range of each kind's runs
+            total = np.concatenate([[0], np.cumsum(self.weight)])
+            hits: list[list[tuple[int, int]]] = [[] for _ in key_sets]
+            for first, a, z in ranges:
+                lo = np.searchsorted(z, [s for _, s, _ in spans], side="right")  # z > s from here
+                hi = np.searchsorted(a, [e for _, _, e in spans], side="left")  # a < e up to here
+                for (j, _, _), i0, i1 in zip(spans, lo.tolist(), hi.tolist()):
+                    if i1 > i0:
+                        hits[j].append((first + i0, first + i1))
+            for j, found in enumerate(hits):
+                for i0, i1 in normalize(found):
+                    out[j] += int(total[i1] - total[i0])
+            return out
+        which, starts, stops = np.array(spans, dtype=np.int64).T
+        shift = int(max(int(stops.max()), max(int(hi.max(initial=0)) for _, hi in self.intervals)) + 1)
+        starts, stops = starts + which * shift, stops + which * shift  # set j lives in [j*shift, ...)
+        sets = np.arange(len(key_sets), dtype=np.int64)[:, None] * shift
+        seen = np.zeros((len(key_sets), self.weight.size), dtype=bool)
+        for lo, hi in self.intervals:
+            a, z = lo[None, :] + sets, hi[None, :] + sets
+            k = np.searchsorted(starts, z, side="left") - 1  # last span starting below z
+            hit = (k >= 0) & (stops[np.maximum(k, 0)] > a) & (which[np.maximum(k, 0)] == sets // shift)
+            seen |= hit & (hi > lo)[None, :]
+        return seen.astype(np.int64) @ self.weight
 
-            def keys_below(x: np.ndarray) -> np.ndarray:
-                k = np.searchsorted(starts, x, side="right")
-                last = np.maximum(k - 1, 0)
-                return np.where(k > 0, before[last] + np.minimum(x - starts[last], stops[last] - starts[last]), 0)
-
-            seen = sum((keys_below(z) - keys_below(a)) for a, z in self.intervals)
-            out[j] = int(self.weight[seen > 0].sum())
-        return out
+    def _monotone_runs(self):
+        """Per kind of run (own, prefix): (first representative, starts, stops) of its non-empty
+        runs when they are consecutive representatives whose starts and stops never fall (the
+        mask without a window: tiles.py's docstring), else None. Then the runs meeting a span
+        [s, e) are those from the first with stop > s to the last with start < e."""
+        if not hasattr(self, "_monotone"):
+            out = []
+            for lo, hi in self.intervals:
+                idx = np.flatnonzero(hi > lo)
+                if not idx.size:
+                    continue
+                a, z = lo[idx], hi[idx]
+                if (np.diff(idx) != 1).any() or (np.diff(a) < 0).any() or (np.diff(z) < 0).any():
+                    out = None
+                    break
+                out.append((int(idx[0]), a, z))
+            self._monotone = out
+        return self._monotone
 
     def keys_seen_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
         """Keys of each key set that at least one query sees: the key rows such a call reads
         (Q(2C) x K(C) when only a shard's first chunk is visible). Exact without a window;
-        with one, every key of the set is counted [U]."""
-        out = np.array([sum(e - s for s, e in normalize(keys)) for keys in key_sets], dtype=np.int64)
-        if self._runs is not None or self.weight.size == 0:
-            return out if self._runs is not None else np.zeros(len(key_sets), dtype=np.int64)
+        with one, every key of the set is counted [U]. The union of the queries' runs is kept
+        as sorted disjoint segments with the length covered below each start."""
+        if self._runs is not None:
+            return np.array([sum(e - s for s, e in normalize(keys)) for keys in key_sets], dtype=np.int64)
+        if self.weight.size == 0:
+            return np.zeros(len(key_sets), dtype=np.int64)
         if not hasattr(self, "_seen"):
-            self._seen = normalize((int(a), int(z)) for lo, hi in self.intervals
-                                   for a, z in zip(lo.tolist(), hi.tolist()) if z > a)
-        return np.array([sum(e - s for s, e in intersect(self._seen, keys)) for keys in key_sets], dtype=np.int64)
+            a = np.concatenate([lo for lo, _ in self.intervals])
+            z = np.concatenate([hi for _, hi in self.intervals])
+            keep = z > a
+            a, z = a[keep], z[keep]
+            order = np.argsort(a, kind="stable")
+            a, z = a[order], z[order]
+            reach = np.maximum.accumulate(z)
+            new = np.concatenate([[True], a[1:] > reach[:-1]])  # a gap before this run
+            first = np.flatnonzero(new)
+            seg_a = a[first]
+            seg_z = np.maximum.reduceat(z, first) if first.size else z[:0]
+            self._seen = (seg_a, seg_z, np.concatenate([[0], np.cumsum(seg_z - seg_a)]))
+        seg_a, seg_z, before = self._seen
+
+        def covered(x: np.ndarray) -> np.ndarray:  # union length below x
+            k = np.searchsorted(seg_a, x, side="right") - 1
+            inside = np.where(k >= 0, np.minimum(x, seg_z[np.maximum(k, 0)]) - seg_a[np.maximum(k, 0)], 0)
+            return np.where(k >= 0, before[np.maximum(k, 0)] + np.maximum(inside, 0), 0)
+
+        out = np.zeros(len(key_sets), dtype=np.int64)
+        spans = [(j, a, z) for j, keys in enumerate(key_sets) for a, z in normalize(keys)]
+        if spans:
+            which, s, e = np.array(spans, dtype=np.int64).T
+            np.add.at(out, which, covered(e) - covered(s))
+        return out
 
     def pairs_with_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
         """Pairs with each of several key sets (each a tuple of disjoint spans), in one pass."""
