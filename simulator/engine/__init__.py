@@ -133,7 +133,10 @@ def _phase_index(graph: StepGraph) -> tuple[list[str], np.ndarray, np.ndarray, n
         code = {name: i for i, name in enumerate(names)}
         is_comm = [isinstance(op.work, Comm) for op in graph.ops]
         # the io stream (a background reader) is neither the compute stream nor a transfer
-        split = ([i for i, c in enumerate(is_comm) if not c and graph.ops[i].stream == "compute"],
+        from csbp.simulator.engine.program import streams
+
+        stream = streams(graph)
+        split = ([i for i, c in enumerate(is_comm) if not c and stream[i] == "compute"],
                  [i for i, c in enumerate(is_comm) if c])
         graph._arrays["phases"] = (names, *(a for idx in split for a in (
             np.array(idx, dtype=np.intp), np.array([code[graph.ops[i].phase] for i in idx], dtype=np.intp))))

@@ -31,19 +31,36 @@ def program(graph: StepGraph) -> list[tuple[bool, tuple | None, np.ndarray | Non
     return graph._arrays["program"]
 
 
-def _sync(group: Group, ranks: int) -> tuple[np.ndarray, ...] | None:
+class Sync:
+    """Rank sets that wait for each other, laid out for one reduction: their ranks one set after
+    another (`order`), where each set starts in it (`starts`) and its size (`sizes`)."""
+
+    __slots__ = ("order", "starts", "sizes", "whole")
+
+    def __init__(self, sets: tuple[tuple[int, ...], ...], ranks: int) -> None:
+        self.whole = len(sets) == 1  # one set: every member waits for the slowest of all
+        self.order = np.array([r for members in sets for r in members], dtype=np.intp)
+        self.sizes = np.array([len(members) for members in sets], dtype=np.intp)
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.intp)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def _sync(group: Group, ranks: int) -> Sync | None:
     if len(group.sync) == ranks:  # every representative rank on its own: nobody to wait for
         return None
-    return tuple(np.array(members) for members in group.sync)
+    return Sync(group.sync, ranks)
 
 
-def slowest(values: np.ndarray, sync: tuple[np.ndarray, ...]) -> np.ndarray:
-    """Per rank, the latest of `values` among the ranks it waits for (`Group.slowest`)."""
-    if len(sync) == 1:
+def slowest(values: np.ndarray, sync: Sync) -> np.ndarray:
+    """Per rank, the latest of `values` among the ranks it waits for (`Group.slowest`): every set's
+    maximum in one reduction (a maximum is exact, so it is the same number however it is taken);
+    ranks in no set keep their own value."""
+    if sync.whole:
         return np.full_like(values, values.max())
     out = values.copy()
-    for idx in sync:
-        out[idx] = values[idx].max()
+    out[sync.order] = np.repeat(np.maximum.reduceat(values[sync.order], sync.starts), sync.sizes)
     return out
 
 
@@ -117,17 +134,21 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
             beside = stretch is not None and bool((comm_until > begin).any())
             if chain is None:
                 end = compute_free = _stretched(begin, took, comm_until, stretch[i]) if beside else begin + took
-            elif beside:  # op by op: each one's part beside the transfers runs slower
-                for j in chain.tolist():
+            elif beside:  # op by op: each one's part beside the transfers runs slower ...
+                rest = chain[:0]
+                for k, j in enumerate(chain.tolist()):
                     start[j] = begin
                     begin = finish[j] = _stretched(begin, d[j], comm_until, stretch[j])
-                compute_free = begin
+                    if not (comm_until > begin).any():  # ... until they have ended on every rank
+                        rest = chain[k + 1:]
+                        break
+                if rest.size:  # then back to back: `_stretched` with no window is begin + took
+                    compute_free = _back_to_back(rest, begin, d, start, finish)
+                else:
+                    compute_free = begin
                 continue
             else:  # it and the compute ops that each wait only for the one before, back to back
-                times = np.cumsum(np.concatenate([begin[None], d[chain]]), axis=0)
-                for k, j in enumerate(chain.tolist()):
-                    start[j], finish[j] = times[k], times[k + 1]
-                compute_free = times[-1]
+                compute_free = _back_to_back(chain, begin, d, start, finish)
                 continue
         start[i] = begin
         finish[i] = end
@@ -138,17 +159,35 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
 IO_STREAMS = ("io", "h2d")
 
 
+def streams(graph: StepGraph) -> list[str]:
+    """Per op, the stream it runs on (`Op.stream`), read once per graph for every pass below."""
+    if "streams" not in graph._arrays:
+        graph._arrays["streams"] = [op.stream for op in graph.ops]
+    return graph._arrays["streams"]
+
+
 def io_ops(graph: StepGraph) -> dict[int, str]:
     """Ops on the host/storage streams (a drafter's offline feature reader) and their stream,
     found once per graph."""
     if "io" not in graph._arrays:
-        graph._arrays["io"] = {op.index: op.stream for op in graph.ops if op.stream in IO_STREAMS}
+        graph._arrays["io"] = {i: s for i, s in enumerate(streams(graph)) if s in IO_STREAMS}
     return graph._arrays["io"]
+
+
+def _back_to_back(chain: np.ndarray, begin: np.ndarray, d: np.ndarray, start: list, finish: list) -> np.ndarray:
+    """Times of ops that run one after another from `begin` (np.cumsum adds in the same order as
+    op after op); returns when the last one ends."""
+    times = np.cumsum(np.concatenate([begin[None], d[chain]]), axis=0)
+    for k, j in enumerate(chain.tolist()):
+        start[j], finish[j] = times[k], times[k + 1]
+    return times[-1]
 
 
 def _stretched(begin: np.ndarray, took: np.ndarray, until: np.ndarray, factor: float) -> np.ndarray:
     """End of a compute op of `took` seconds from `begin` whose part before `until` runs
-    `factor` times slower (a transfer beside it), the rest at full speed."""
+    `factor` times slower (a transfer beside it), the rest at full speed. Where `until` <=
+    `begin` on every rank the window is 0 and this is exactly begin + took (x + 0.0 and
+    x - 0.0 are x): `run` then times the rest of a chain back to back."""
     if factor <= 1:
         return begin + took
     window = np.maximum(until - begin, 0.0)
@@ -166,17 +205,17 @@ def chained_ops(graph: StepGraph, transfers: bool) -> dict[int, np.ndarray]:
     first and last."""
     key = ("chains", transfers)
     if key not in graph._arrays:
-        per_work, (_, which) = program(graph), graph.works()
+        per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
         runs: dict[int, list[int]] = {}
         run: list[int] = []
-        for op, w in zip(graph.ops, which.tolist()):
+        for op, w, on in zip(graph.ops, which.tolist(), stream):
             comm, sync, peer = per_work[w]
             follows = bool(run) and op.deps == (run[-1],)
             if comm:
                 if follows and transfers and sync is None and peer is None:
                     run.append(op.index)
                 continue
-            if op.stream in IO_STREAMS:
+            if on in IO_STREAMS:
                 continue
             if not follows:
                 _close(run, runs, graph)

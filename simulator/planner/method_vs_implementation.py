@@ -17,6 +17,7 @@ inline search would have raised it.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 
 from csbp.simulator.planner.planner import Search, plan_of, search
@@ -49,6 +50,13 @@ class BaselinesAhead:
         if not Workers(searched.get("workers")).parallel:
             return  # one core (or no fork): searched inline afterwards, as before
         ctx = mp.get_context("fork")
+        gc.freeze()  # the collector then leaves the shared heap's pages alone in the child (no copies)
+        try:
+            self._start(ctx, model, workload, profile, nodes, engine, searched)
+        finally:
+            gc.unfreeze()
+
+    def _start(self, ctx, model, workload, profile, nodes, engine, searched) -> None:
         for name in PROFILES:
             if name == profile.implementation:
                 continue
