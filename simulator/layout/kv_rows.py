@@ -91,12 +91,16 @@ def step_received(layout: Layout, a: AttentionSpec, phase: Phase, step: int,
 
 
 def ring_senders(layout: Layout) -> tuple[int, ...]:
-    """The rank each one receives from in a ring: the previous member of its group."""
-    prev = list(range(layout.size))
-    for g in layout.cp_groups():
-        for i, r in enumerate(g):
-            prev[r] = g[i - 1]
-    return tuple(prev)
+    """The rank each one receives from in a ring: the previous member of its group (once per
+    ownership: every ring step of every layer asks)."""
+    key = ("ring-senders",)
+    if key not in layout.derived:
+        prev = list(range(layout.size))
+        for g in layout.cp_groups():
+            for i, r in enumerate(g):
+                prev[r] = g[i - 1]
+        layout.derived[key] = tuple(prev)
+    return layout.derived[key]
 
 
 def packed_rows(layout: Layout, a: AttentionSpec) -> np.ndarray:
