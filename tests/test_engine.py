@@ -238,6 +238,8 @@ def test_every_preset_gives_a_result_or_a_reason(name, seq_len):
     profile = load_profile("h100" if drafter else "h200")
     nodes = 1 if drafter else 2
     plan = Plan(cp=4, bp=8) if drafter else Plan(cp=8, bp=16)
+    if default_objective(model) == "ar":  # no noisy blocks (plan/rules.py): CP over the same GPUs
+        plan = Plan(cp=16)
     r = simulate(model, Workload(seq_len=seq_len, objective=default_objective(model)), plan, profile,
                  nodes, engine="closed-form")
     assert r.step_time_s > 0 and r.peak_memory_gib > 0
