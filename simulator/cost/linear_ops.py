@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from csbp.simulator.cost.attention_ops import ATTENTION_BACKWARD_FLOP_RATIO
+from csbp.simulator.cost.memory_timeline import linear_a2a_width
 from csbp.simulator.system.implementation import DEFAULT_IMPLEMENTATION, Implementation, load_implementation
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.cost.step_ops import Collective, Comm, Compute, Deps, Phase
@@ -98,7 +99,7 @@ class LinearAttentionOps:
         if self.lay.kind not in ("cp", "csbp"):
             return None, None
         n = len(self.cp_sync[0])
-        width_in = 2 * a.n_kv_heads * a.head_dim + a.n_heads * a.head_dim
+        width_in = linear_a2a_width(a, self.impl)  # q, k, v (+ z, beta, a where the profile says)
         width_out = a.n_heads * a.head_dim
         clean = self.noisy if rows == "noisy" else self.tokens - self.noisy
         recv = lambda width: clean * width * self.dt / self.tp * (n - 1) / n  # noqa: E731

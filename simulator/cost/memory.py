@@ -57,6 +57,8 @@ class MemoryEstimate:
     live bytes (the profile's `gpu.allocator_overhead`) plus the reserved memory (context,
     communicator buffers). `parts` breaks each rank's need down by category at the moment of
     its peak; it is built only when asked (a search reads the totals of thousands of plans).
+    `outside_gib`: buffers allocated outside the caching allocator (DeepEP's, implementation.md
+    11), alive the whole run: not in `allocated`, but in every rank's need.
     """
 
     allocated: np.ndarray  # GiB per rank: the live-tensor peak
@@ -65,6 +67,7 @@ class MemoryEstimate:
     overhead: float  # allocator bytes per live byte at the peak
     timeline: memory_timeline.Timeline = field(repr=False)
     where: np.ndarray = field(repr=False)  # per rank: index of its peak moment
+    outside_gib: float = 0.0  # per rank, outside the caching allocator (same on every rank)
 
     @cached_property
     def moments(self) -> tuple:
@@ -84,6 +87,8 @@ class MemoryEstimate:
                 parts[k][ranks] = (v[ranks] if isinstance(v, np.ndarray) else v) / GIB
         parts = {k: v for k, v in parts.items() if v.any()}
         parts["allocator"] = self.allocated * self.overhead
+        if self.outside_gib:
+            parts["outside"] = np.full(n, float(self.outside_gib))
         parts["reserved"] = np.full(n, float(self.reserved_gib))
         return parts
 
@@ -95,12 +100,18 @@ class MemoryEstimate:
     def rank(self, r: int) -> dict[str, float]:
         """GiB by category at rank r's peak, allocator and reserved included."""
         out = {k: v / GIB for k, v in self.timeline.breakdown(int(self.where[r]), r).items()}
-        return out | {"allocator": float(self.allocated[r] * self.overhead),
-                      "reserved": float(self.reserved_gib)}
+        out["allocator"] = float(self.allocated[r] * self.overhead)
+        if self.outside_gib:
+            out["outside"] = float(self.outside_gib)
+        return out | {"reserved": float(self.reserved_gib)}
 
     @cached_property
     def totals_gib(self) -> list[float]:
-        return (self.allocated * (1 + self.overhead) + float(self.reserved_gib)).tolist()
+        """Each rank's need: allocated x (1 + allocator overhead) + reserved + outside."""
+        total = self.allocated * (1 + self.overhead) + float(self.reserved_gib)
+        if self.outside_gib:
+            total = total + float(self.outside_gib)
+        return total.tolist()
 
     @property
     def peak_rank(self) -> int:
@@ -226,12 +237,26 @@ def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: La
         return hit[2]
     tl = step_timeline(model, workload, plan, layout, profile)
     peaks, where = tl.peaks()
+    outside = outside_allocator_bytes(model, plan, load_implementation(profile.implementation),
+                                      workload.dtype_bytes)
     est = MemoryEstimate(peaks / GIB, profile.gpu.memory_gib, profile.gpu.reserved_gib,
-                         profile.gpu.allocator_overhead or 0.0, tl, where)
+                         profile.gpu.allocator_overhead or 0.0, tl, where, outside / GIB)
     if len(_ESTIMATES) > 2048:
         _ESTIMATES.clear()
     _ESTIMATES[key] = (model, profile, est)
     return est
+
+
+def outside_allocator_bytes(model: ModelSpec, plan: Plan, impl, dt: int) -> float:
+    """Per rank: the EP exchange's own communication buffers (DeepEP's NVLink buffer,
+    implementation.md 11), allocated outside the caching allocator once and alive the whole
+    run: channels x EP peers x tokens per channel x (a routed row + its metadata), the sizing
+    rule of DeepEP's buffer-size hint (profile facts, [U]). 0 without EP or such buffers."""
+    m = impl.moe
+    if model.moe is None or plan.ep <= 1 or not m.comm_buffer_channels:
+        return 0.0
+    row = model.hidden * max(m.dispatch_bytes or dt, 2)
+    return float(m.comm_buffer_channels * plan.ep * m.comm_buffer_tokens * (row + m.comm_buffer_meta_bytes))
 
 
 def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
@@ -248,7 +273,8 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     linear_dtype = step_linear_dtype(workload, impl)
     sizes = memory_timeline.Sizes(tokens=tokens, noisy=noisy, hidden=tokens * model.hidden * dt / tp,
                                   dt=dt, tp=tp, batch=batch, family=family, impl=impl,
-                                  block=workload.block_size, linear_dtype=linear_dtype)
+                                  block=workload.block_size, linear_dtype=linear_dtype,
+                                  routing=route_index_bytes(model, impl, tokens, tp))
     eager = bool(profile.gpu.dense_attention)
     opt = impl.optimizer.path(obj.name)
     zero = opt.stage(workload.zero_stage)  # the framework's sharding (FSDP2: 3), else the workload's
@@ -280,13 +306,22 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
         shard = kv_rows.held(untrimmed(layout), "context") * batch
         context = context_bytes(model, kinds, held, dt, tp, keep_kv=not full_ckpt,
                                 feature_rows=shard, feature_copies=FEATURE_COPIES.get(obj.features, 1))
-    retained = encoder_retained(model, layout, batch, dt, tp) if obj.retain_encoder_kv else None
+    retained = encoder_retained(model, layout, batch, dt, tp, impl) if obj.retain_encoder_kv else None
     return memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
                                 zero, retained, loss_backward=loss_backward)
 
 
+def route_index_bytes(model: ModelSpec, impl, rows, tp: int):
+    """One MoE layer's routing metadata kept with its checkpoint for the backward (the top-k
+    indices the recompute replays, implementation.md 11), per rank: rows x top-k x the profile's
+    bytes, split over TP as the sequence-parallel hidden state is [U]; 0 without MoE."""
+    if model.moe is None or not impl.moe.saved_route_index_bytes:
+        return 0.0
+    return rows * (model.moe.top_k * impl.moe.saved_route_index_bytes / tp)
+
+
 def encoder_retained(model: ModelSpec, layout: Layout, batch: int, dt: int,
-                     tp: int) -> memory_timeline.RetainedEncoder:
+                     tp: int, impl=None) -> memory_timeline.RetainedEncoder:
     """What DiffusionGemma's encoder keeps for its decoder (implementation.md section 12), per
     rank: each layer's K/V of the clean rows the rank owns (the whole clean stream under pure BP,
     `WholeCleanLayout`) and one encoder checkpoint of its clean query rows. The decoder re-gathers
@@ -294,4 +329,5 @@ def encoder_retained(model: ModelSpec, layout: Layout, batch: int, dt: int,
     owned = kv_rows.held(layout, "context").astype(float) * batch  # clean K/V rows it owns
     clean = (kv_rows.held(layout, "positions") - kv_rows.held(layout, "noisy")).astype(float) * batch
     kv = {a: owned * kv_row_bytes(a, dt, tp) for a in _model_sizes(model)["kinds"] if a.kind != "linear"}
-    return memory_timeline.RetainedEncoder(kv, clean * model.hidden * dt / tp)
+    routing = route_index_bytes(model, impl, clean, tp) if impl is not None else 0.0
+    return memory_timeline.RetainedEncoder(kv, clean * model.hidden * dt / tp, routing)

@@ -50,7 +50,8 @@ LABELS = {
     "layer": "recomputed layer", "scores": "attention scores", "kv": "K/V buffers",
     "dkv": "dK/dV buffers", "transient": "op buffers", "loss": "loss buffers",
     "comm": "communication buffers", "masks": "attention masks", "context": "context features",
-    "fp8": "FP8 weight copies", "allocator": "allocator"}
+    "fp8": "FP8 weight copies", "allocator": "allocator", "outside": "outside the allocator",
+    "routing": "MoE routing indices"}
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ class Sizes:
     impl: object | None = None
     block: int = 1  # diffusion block size (linear attention's boundary states)
     linear_dtype: str = "bf16"  # the blocks' linears (fp8: the implementation's FP8 copies beside them)
+    # one MoE layer's routing metadata kept with its checkpoint for the backward (top-k indices
+    # replayed in recompute, implementation.md 11): alive from the layer's forward to its backward
+    routing: np.ndarray | float = 0.0
 
 
 @dataclass
@@ -372,6 +376,16 @@ def implementation_extras(model: ModelSpec, layout: Layout, a: AttentionSpec, s:
         fp8 = {"transient": s.tokens * max(model.hidden, ffn / s.tp) * copy}
         mem.forward = [(op, d, _merge(e, fp8) if op == "mlp" else e) for op, d, e in mem.forward]
         mem.backward = [(op, d, _merge(e, fp8) if op == "mlp" else e) for op, d, e in mem.backward]
+    if a.kind == "linear" and layout.kind in ("cp", "csbp"):
+        # the sequence<->head all-to-alls (implementation.md 13): all_to_all_single's input and
+        # its output buffer of the widths it moves, both alive at the call, one pass's rows at a
+        # time (the clean stream, or pure CP's noisy rows if the profile moves them too); the
+        # gradients go back the same way in backward
+        clean = s.tokens - s.noisy
+        rows = np.maximum(clean, s.noisy) if (layout.kind == "cp" and impl.linear_attention.cp_moves_noisy) else clean
+        a2a = {"comm": 2 * rows * linear_a2a_width(a, impl) * s.dt / s.tp}
+        mem.forward = [(op, d, _merge(e, a2a) if op == "attn" else e) for op, d, e in mem.forward]
+        mem.backward = [(op, d, _merge(e, a2a) if op == "attn" else e) for op, d, e in mem.backward]
     if a.kind == "linear" and impl.linear_attention.two_passes and np.any(s.noisy):  # ar: no noisy pass
         conv = max(a.conv_kernel - 1, 0) * (2 * a.n_kv_heads + a.n_heads) * a.head_dim * s.dt
         state = (a.n_heads * a.head_dim ** 2 * impl.linear_attention.state_bytes + conv) / s.tp
@@ -397,6 +411,16 @@ def implementation_extras(model: ModelSpec, layout: Layout, a: AttentionSpec, s:
         mem.forward = [(op, d, _merge(e, {"kv": kv}) if op in attn_ops else e) for op, d, e in mem.forward]
         mem.backward = [(op, d, _merge(e, {"dkv": grad * kv}) if op in attn_ops else e) for op, d, e in mem.backward]
     return mem
+
+
+def linear_a2a_width(a: AttentionSpec, impl=None) -> int:
+    """Elements per token a Gated-DeltaNet layer sends sequence -> head: q, k (key heads) and v
+    (value heads), plus the output gate z and the per-head beta and a when the implementation
+    moves them with the rest (`linear_attention.a2a_gate_inputs`, implementation.md 13)."""
+    width = 2 * a.n_kv_heads * a.head_dim + a.n_heads * a.head_dim
+    if impl is not None and impl.linear_attention.a2a_gate_inputs:
+        width += a.n_heads * a.head_dim + 2 * a.n_heads
+    return width
 
 
 # ---- weights, gradients, optimizer state ----------------------------------------------------
@@ -568,6 +592,7 @@ class RetainedEncoder:
 
     kv: dict[AttentionSpec, np.ndarray]  # one layer's encoder K (and V) of the clean rows it owns
     clean_hidden: np.ndarray  # one encoder checkpoint: the clean rows' hidden state
+    clean_routing: np.ndarray | float = 0.0  # one encoder layer's routing indices (MoE), kept with it
 
     def total(self, shape: "_Structure") -> np.ndarray | float:
         return _sum({a: shape.count[a] * v for a, v in self.kv.items()})
@@ -582,8 +607,11 @@ class RetainedEncoder:
         """At the decoder's backward of layer i: every layer's encoder K/V, the gradients of
         those after i, and the encoder checkpoints of the layers from i + 1 on (the walk's
         checkpoints of the layers below i hold both streams' rows)."""
-        return {"kv": self.total(shape), "dkv": self.grads_after(shape, i),
-                stored: (shape.n - i - 1) * self.clean_hidden}
+        out = {"kv": self.total(shape), "dkv": self.grads_after(shape, i),
+               stored: (shape.n - i - 1) * self.clean_hidden}
+        if np.any(self.clean_routing):
+            out["routing"] = (shape.n - i - 1) * self.clean_routing
+        return out
 
 
 def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, eager: bool,
@@ -613,10 +641,12 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
     before_count = shape.before_count
     grads_total_layers = sum(weights.layer_grads[a] * shape.count[a] for a in kinds)
 
+    routing = sizes.routing if np.any(sizes.routing) else None  # per MoE layer, kept to its backward
+
     def stored_before(i: int) -> dict:
         if checkpointing:
-            return {"checkpointed": i * hid}
-        out: dict = {"saved": i * hid}
+            return {"checkpointed": i * hid} if routing is None else {"checkpointed": i * hid, "routing": i * routing}
+        out: dict = {"saved": i * hid} if routing is None else {"saved": i * hid, "routing": i * routing}
         for a, mem in kinds.items():
             c = int(before_count[a][i])
             if c:
@@ -666,6 +696,8 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
         grads = grads_after(i) + (weights.bucket if zero >= 2 else 0.0)
         below = stored_before(i)
         here = {stored_name: hid, "grads": grads, "transient": hid}
+        if routing is not None:
+            here["routing"] = routing
         kept = retained.decoder_backward(shape, i, stored_name) if retained is not None else {}
         for op, during, extra in recomputed.get(a, ()):
             tl.at(Moment("recompute", op, i), fixed, below, here, during, extra, kept)
@@ -680,6 +712,8 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
         total = retained.total(shape)
         here = {stored_name: n * retained.clean_hidden, "grads": grads, "kv": total, "dkv": total,
                 "transient": hid}
+        if np.any(retained.clean_routing):
+            here["routing"] = n * retained.clean_routing
         for op, during, extra in recomputed.get(a, ()):
             tl.at(Moment("recompute", f"encoder.{op}", i), fixed, here, during, extra)
         for op, layer, extra in backwards[a]:

@@ -115,6 +115,7 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         memory_gib=memory.rank(memory.peak_rank),
         memory_per_rank_gib=memory.totals_gib,
         peak_allocated_gib=memory.max_allocated_gib,
+        outside_allocator_gib=memory.outside_gib or None,
         peak_memory_at=memory.peak_at,
         peak_breakdown_gib=memory.breakdown,
         attention_traffic_gib_per_gpu=float(kv.max()) * passes / GIB,

@@ -54,6 +54,10 @@ class Result:
     # the live-tensor peak (max over ranks): what max_memory_allocated measures, no allocator
     # overhead or reserved memory; where the peak rank peaks and what is alive there
     peak_allocated_gib: float | None = None
+    # buffers outside the caching allocator (DeepEP's, implementation.md 11): not in
+    # peak_allocated_gib, but in peak_memory_gib and the fit verdict; None (and left out of
+    # to_json()) where there are none
+    outside_allocator_gib: float | None = None
     peak_memory_at: dict[str, Any] = field(default_factory=dict)  # rank, phase, op, layer
     peak_breakdown_gib: dict[str, float] = field(default_factory=dict)  # by category, then
     attention_traffic_gib_per_gpu: float = 0.0  # K/V + dK/dV received per step, max over ranks
@@ -70,6 +74,8 @@ class Result:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("trace")
+        if self.outside_allocator_gib is None:
+            out.pop("outside_allocator_gib")
         if self.objective_tokens_name:
             out[f"{self.objective_tokens_name}_tokens_per_s"] = self.objective_tokens_per_s
         return out

@@ -314,6 +314,17 @@ class MoE(BaseModel):
     host_syncs_per_layer: Annotated[int, Field(ge=0), FIGURE] = 0  # per layer and forward pass
     # full read + write passes over the route-expanded rows (rows x top-k x hidden) per pass
     route_copy_passes: _NonNegative = 0.0
+    # communication buffers the EP exchange allocates outside the framework's caching allocator
+    # (DeepEP's own NVLink buffer), allocated once and alive the whole run: they count against
+    # the GPU's memory but not in max_memory_allocated. Size: channels x EP peers x tokens per
+    # channel x (one routed row at max(dispatch element, 2 B) + `comm_buffer_meta_bytes`);
+    # 0 channels: none (NCCL all-to-alls use the caching allocator)
+    comm_buffer_channels: Annotated[int, Field(ge=0), FIGURE] = 0
+    comm_buffer_tokens: Annotated[int, Field(ge=0), FIGURE] = 0  # tokens per channel and peer
+    comm_buffer_meta_bytes: Annotated[int, Field(ge=0), FIGURE] = 0  # per token: indices, weights, scales
+    # bytes per token and layer of routing metadata saved with each layer's checkpoint for the
+    # backward (top-k indices replayed in recompute: top_k x this); 0: none kept
+    saved_route_index_bytes: Annotated[int, Field(ge=0, le=8), FIGURE] = 0
 
 
 class LinearAttention(BaseModel):
@@ -331,6 +342,9 @@ class LinearAttention(BaseModel):
     exchange: Annotated[Literal["overlapped", "waited"], FIGURE] = "overlapped"
     # pure CP: the noisy rows go head-parallel too (their own all-to-alls), no state exchange
     cp_moves_noisy: _Bool = False
+    # the sequence -> head all-to-all moves the output gate z and the per-head beta and a with
+    # q, k, v (false: q, k, v only)
+    a2a_gate_inputs: _Bool = False
 
 
 class FP8Linears(BaseModel):
