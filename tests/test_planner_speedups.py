@@ -45,8 +45,9 @@ def _planned(jobs: int):
 @pytest.mark.floats
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not FORK, reason="the baseline search runs ahead only where the OS can fork")
-def test_baseline_searched_ahead_equals_the_inline_search():
+def test_baseline_searched_ahead_equals_the_inline_search(monkeypatch):
     """Exact: the forked child runs the same `search` on the same inputs as the inline path."""
+    monkeypatch.setattr(mvi, "core_free", lambda: True)  # whatever the host's load
     inline, ahead = _planned(1), _planned(2)
     assert ahead.by_implementation == inline.by_implementation
     assert ahead.to_json() == inline.to_json()
@@ -62,6 +63,7 @@ def test_baseline_ahead_raises_the_childs_error_and_ends_what_it_started(monkeyp
         raise InputError("nothing feasible: test")
 
     monkeypatch.setattr(mvi, "search", fails)  # the fork copies the patched module
+    monkeypatch.setattr(mvi, "core_free", lambda: True)
     with mvi.baselines_ahead(model, workload, profile, 1, "des", workers=2) as ahead:
         assert set(ahead.running) == {"ideal"}
         with pytest.raises(InputError, match="nothing feasible: test"):
@@ -73,8 +75,10 @@ def test_baseline_ahead_raises_the_childs_error_and_ends_what_it_started(monkeyp
     # other inputs than it was started for: not taken from the child
     with mvi.baselines_ahead(model, workload, profile, 1, "des", workers=2) as ahead:
         assert ahead.baseline("ideal", model, workload.model_copy(), profile, 1, "des") == (False, None)
-    # one worker: nothing runs ahead, the search stays inline
+    # one worker, or no idle core: nothing runs ahead, the search stays inline
     assert not mvi.baselines_ahead(model, workload, profile, 1, "des", workers=1).running
+    monkeypatch.setattr(mvi, "core_free", lambda: False)
+    assert not mvi.baselines_ahead(model, workload, profile, 1, "des", workers=2).running
 
 
 def _graph_readers(model, workload, plan, profile) -> np.ndarray | None:

@@ -8,8 +8,9 @@ changes with what the framework runs; that search wants the baseline alone
 (`search(baseline_only=True)`: the full search's baseline, for fewer simulations).
 
 That second search needs nothing from the first (only the recommendation's own re-simulation
-does), so `csbp plan` starts it in a forked process before its main search (`baselines_ahead`):
-on two cores the two searches run side by side instead of one after the other. The child runs
+does), so `csbp plan` starts it in a forked process before its main search (`baselines_ahead`)
+when a core is idle: on two cores the two searches run side by side instead of one after the
+other. The child runs
 the same `search` call on the same inputs (the same code on the same CPU, so the same floats)
 and sends back the baseline it found, or the error it raised, which is raised where the
 inline search would have raised it.
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import os
 
 from csbp.simulator.planner.planner import Search, plan_of, search
-from csbp.simulator.planner.workers import Workers
+from csbp.simulator.planner.workers import Workers, available_cores
 from csbp.simulator.engine.simulate import simulate
 from csbp.simulator.report.result import Result
 from csbp.simulator.system.hardware import HardwareProfile
@@ -47,8 +49,8 @@ class BaselinesAhead:
         self.inputs = (model, workload, profile)  # the very objects the search is given
         self.key = (nodes, engine)
         self.running: dict[str, tuple] = {}
-        if not Workers(searched.get("workers")).parallel:
-            return  # one core (or no fork): searched inline afterwards, as before
+        if not Workers(searched.get("workers")).parallel or not core_free():
+            return  # one core, no fork or no idle core: searched inline afterwards, as before
         ctx = mp.get_context("fork")
         gc.freeze()  # the collector then leaves the shared heap's pages alone in the child (no copies)
         try:
@@ -99,6 +101,14 @@ class BaselinesAhead:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def core_free() -> bool:
+    """Whether a core is idle to run the baseline search beside the main one: the last minute's
+    load average at least half a core below the cores this process may use. On a host others
+    keep busy the two searches would only take turns on the same cores (and pay for the fork),
+    so they run one after the other there; the answer is the same either way."""
+    return os.getloadavg()[0] < available_cores() - 0.5 if hasattr(os, "getloadavg") else True
 
 
 def _child(send, model, workload, profile, nodes, engine, searched) -> None:
