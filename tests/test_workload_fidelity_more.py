@@ -146,3 +146,57 @@ def test_gated_deltanet_all_to_all_buffers_at_the_layer(plan, tmp_path):
              and QWEN.layers[m.layer].kind == "linear")
     got = np.array([tl2.breakdown(k, r).get("comm", 0.0) for r in range(lay.size)])
     np.testing.assert_allclose(got, 2 * moved * linear_a2a_width(gdn) * 2, rtol=REL)
+
+
+# ---- pure CP at head dim 256: the output rows and dQ all-gathered (implementation.md 13) ------
+
+
+def qwen_graph(plan: Plan, implementation, seq_len: int = 65536):
+    from csbp.simulator.cost.graph import StepGraph
+
+    w = Workload(seq_len=seq_len, objective="fast-dllm-v2")
+    lay = Layout.build(w, plan)
+    return StepGraph.build(QWEN, w, plan, lay, 8, implementation=implementation), lay
+
+
+def test_pure_cp_gathers_output_rows_and_dq_at_head_dim_256_full_attention_layers():
+    graph, lay = qwen_graph(Plan(cp=8), "turbo-dllm")
+    full = [i for i, a in enumerate(QWEN.layers) if a.kind == "full"]
+    assert QWEN.layers[full[0]].head_dim == 256 and len(full) == 16
+    ops = {(op.name, op.layer): op for op in graph.ops if op.name in ("attn.output-gather", "attn.dq-gather")}
+    # one of each per full-attention layer, in backward only, none at the Gated-DeltaNet layers
+    assert sorted(ops) == sorted((n, i) for i in full for n in ("attn.output-gather", "attn.dq-gather"))
+    assert {op.phase for op in ops.values()} == {"backward"}
+    # every other member's query rows (padded to the largest shard) x 24 heads x 256, bf16, x 2 rows
+    pos = kv_rows.held(lay, "positions").astype(float)
+    want = 7 * pos.max() * 2 * 24 * 256 * 2
+    for op in ops.values():
+        assert op.work.collective == "all-gather"
+        np.testing.assert_allclose(op.work.bytes, want, rtol=REL)
+    # the dQ gather follows the call, the call follows the output gather
+    li = full[0]
+    names = [op.name for op in graph.ops if op.layer == li and op.phase == "backward"]
+    assert names.index("attn.output-gather") < names.index("attn") < names.index("attn.dq-gather")
+
+
+@pytest.mark.parametrize("plan, impl", [(Plan(cp=8, bp=8), "turbo-dllm"), (Plan(cp=8), "ideal")])
+def test_no_query_gathers_outside_pure_cp_or_without_the_fact(plan, impl):
+    graph, _ = qwen_graph(plan, impl)
+    assert not [op for op in graph.ops if op.name.endswith(("output-gather", "dq-gather"))]
+
+
+def test_pure_cp_query_gathers_slow_the_step_and_hold_a_gathered_buffer(tmp_path):
+    w = Workload(seq_len=65536, objective="fast-dllm-v2")
+    plan = Plan(cp=8)
+    off = variant(tmp_path, "turbo-no-gathers", "cp_gathers: [output, dq]", "cp_gathers: []")
+    with_, without = (simulate(QWEN, w, plan, p, nodes=1, with_trace=False) for p in (H200, off))
+    assert with_.step_time_s > without.step_time_s
+    assert with_.flops_per_gpu == pytest.approx(without.flops_per_gpu, rel=REL)  # bytes, not FLOPs
+    lay = Layout.build(w, plan)
+    tl = step_timeline(QWEN, w, plan, lay, H200)
+    tl0 = step_timeline(QWEN, w, plan, lay, off)
+    k = next(k for k, m in enumerate(tl.moments) if m.phase == "backward" and m.op in ("attn", "attn.local")
+             and QWEN.layers[m.layer].kind == "full")
+    rows = 8 * kv_rows.held(lay, "positions").astype(float).max() * 2  # all 2L rows, two batch rows
+    extra = tl.breakdown(k, 0).get("comm", 0.0) - tl0.breakdown(k, 0).get("comm", 0.0)
+    assert extra == pytest.approx(rows * 24 * 256 * 2, rel=1e-9)

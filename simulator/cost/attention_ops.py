@@ -383,6 +383,29 @@ class AttentionOps:
                 return math.ceil(max(1, a.n_heads // max(a.n_kv_heads, 1)) / copy.max_group)
         return 1
 
+    def query_gather(self, li: int, a: AttentionSpec, what: str, *deps: Deps) -> Deps:
+        """Pure CP at a head dim whose profile entry says so (`head_dim_copies[].cp_gathers`,
+        implementation.md 13): the backward all-gathers every member's query rows of the
+        attention output (before the call) or of dQ (after it, in the gradient dtype) over the
+        CP group, padded as the K/V gather is, waited on. Nothing otherwise."""
+        ph: Phase = "backward"
+        facts = self.facts(ph)
+        if self.lay.kind != "cp" or self.pattern(a, ph) != "all-gather" or not any(
+                what in c.cp_gathers and c.head_dim == a.head_dim and a.kind in c.cp_gather_kinds
+                for c in self.impl.head_dim_copies):
+            return self.add(f"attn.{what}-gather", ph, li, None, *deps)
+
+        def make() -> Comm | None:
+            rows = np.zeros(self.n)
+            for g in self.cp_sync:
+                idx = list(g)
+                own = self.positions[idx]
+                rows[idx] = (len(g) - 1) * own.max() if facts.pad_to_largest_shard else own.sum() - own
+            dt = (facts.gradient_bytes or self.dt) if what == "dq" else self.dt
+            width = a.n_heads / self.tp * a.head_dim
+            return self.comm("all-gather", rows * self.w.micro_batch * width * dt, self.g_cp, "other")
+        return self.add(f"attn.{what}-gather", ph, li, self.cached(("query-gather", a, what), make), *deps)
+
     def merge(self, li: int, a: AttentionSpec, phase: Phase, *deps: Deps) -> Deps:
         """Combine two partial attention outputs by their LSE (memory-bound, per query row)."""
         passes = MERGE_BACKWARD_PASSES if phase == "backward" else MERGE_FORWARD_PASSES
@@ -472,7 +495,8 @@ class AttentionOps:
             return self.stepped_backward(li, a, pattern, x)
         if pattern != "ring":
             if self.cut(pattern, ph) == "whole":
-                call = self.attend(li, a, ph, pattern, 0, x)
+                x = self.query_gather(li, a, "output", x)  # head-dim copies under pure CP
+                call = self.query_gather(li, a, "dq", self.attend(li, a, ph, pattern, 0, x))
                 scatter = self.move_kv("dkv.scatter", li, a, ph, 0, None, self.copies("dkv.copies", li, a, ph, call))
                 return self.pack_kv(li, a, ph, scatter, call)
             remote = self.attend(li, a, ph, pattern, 1, self.merge(li, a, ph, x))

@@ -393,6 +393,14 @@ def implementation_extras(model: ModelSpec, layout: Layout, a: AttentionSpec, s:
         mem.attn_saved = _merge(mem.attn_saved, {"saved": states})
         mem.forward = [(op, _merge(d, {"saved": states}) if op == "mlp" else d,
                         _merge(e, {"transient": states}) if op == "attn" else e) for op, d, e in mem.forward]
+    gathers = sum(len(c.cp_gathers) for c in getattr(impl, "head_dim_copies", ())
+                  if c.head_dim == a.head_dim and a.kind in c.cp_gather_kinds)
+    if gathers and layout.kind == "cp" and kv_rows.pattern(layout, a, "backward") == "all-gather":
+        # pure CP's gathered query rows (output, dQ) of every member around the backward call:
+        # one such buffer alive at a time [U: the output's may live on beside dQ's]
+        rows = s.tokens + kv_rows.held_at_once(layout, a).astype(float) * s.batch
+        comm = {"comm": rows * a.n_heads * a.head_dim * s.dt / s.tp}
+        mem.backward = [(op, d, _merge(e, comm) if op in ("attn", "attn.local") else e) for op, d, e in mem.backward]
     repeat = 1
     for copy in getattr(impl, "head_dim_copies", ()):
         if copy.head_dim == a.head_dim and a.kind != "linear":

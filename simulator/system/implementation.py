@@ -392,6 +392,12 @@ class HeadDimCopy(BaseModel):
     # backward packs [noisy; clean] K/V repeated into a new buffer plus a gradient buffer as large
     backward_grad_buffer: bool = True
     kernels: tuple[str, ...] = ()  # kernel families that repeat; empty: every family
+    # pure CP (the cp family's all-gather of every key): the backward of a layer of these kinds
+    # at this head dim also all-gathers every rank's rows of these query-width tensors over the
+    # CP group (the attention output before the call, dQ after it), waited on as the family's
+    # exchange; empty: none
+    cp_gathers: tuple[Literal["output", "dq"], ...] = ()
+    cp_gather_kinds: tuple[Literal["full", "sliding"], ...] = ("full",)
 
 
 class Implementation(BaseModel):
