@@ -79,6 +79,16 @@ def test_simulate_reports_outside_allocator_apart_from_peak_allocated():
     assert js["outside_allocator_gib"] > 0
     # peak_memory_gib holds it, peak_allocated_gib (max_memory_allocated) does not
     assert js["peak_memory_gib"] >= js["peak_allocated_gib"] + js["outside_allocator_gib"]
+    # the table shows it under the peak; a plan without such buffers has neither row nor key
+    from rich.console import Console
+    from csbp.simulator.report.report import result_table
+
+    console = Console(width=120, record=True)
+    console.print(result_table(r))
+    assert "outside the allocator" in console.export_text()
+    dense = simulate(load_model("nemotron-diffusion-8b"), Workload(seq_len=65536), Plan(cp=8), H200, nodes=1,
+                     with_trace=False)
+    assert "outside_allocator_gib" not in dense.to_json() and dense.outside_allocator_gib is None
 
 
 def test_routing_indices_kept_from_each_layers_forward_to_its_backward(tmp_path):

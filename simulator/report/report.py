@@ -57,6 +57,8 @@ def result_table(result: Result, title: str | None = None) -> Table:
         table.add_row(result.objective_label,
                       f"{result.objective_tokens_per_s:,.0f}" if result.objective_tokens_per_s else "-")
     table.add_row("peak memory / GPU", f"{result.peak_memory_gib:.1f} GiB" if result.peak_memory_gib else "-")
+    if result.outside_allocator_gib:  # in the peak, not in max_memory_allocated (DeepEP's buffers)
+        table.add_row("  of which outside the allocator", f"{result.outside_allocator_gib:.2f} GiB")
     if result.memory_per_rank_gib:
         table.add_row("memory per rank", " ".join(f"{m:.1f}" for m in result.memory_per_rank_gib) + " GiB")
     table.add_row("attention traffic / GPU", f"{result.attention_traffic_gib_per_gpu:.2f} GiB")
