@@ -274,6 +274,11 @@ def preset_recipe(model: ModelSpec) -> dict[str, int]:
     return dict(PRESET_RECIPES.get(model.name, {}))
 
 
+# the presets of plain AR jobs; a user's own Hugging Face config (model_type "llama", "qwen2", ...)
+# is a model to train with block diffusion unless --objective says otherwise, as csbp's users convert them
+AR_PRESETS = ("llama3.1-8b", "llama2-7b")
+
+
 def default_objective(model: ModelSpec) -> str:
     """Each preset trains with the objective of its study (workloads.md)."""
     name = model.name
@@ -283,6 +288,6 @@ def default_objective(model: ModelSpec) -> str:
         return "diffusiongemma"
     if name.startswith("dflash"):
         return "dflash2"
-    if name.startswith("llama"):  # plain AR models as TorchTitan / Megatron-Core train them (issue 24)
+    if name in AR_PRESETS:  # plain AR models as TorchTitan / Megatron-Core train them (issue 24)
         return "ar"
     return "bd3lm"
