@@ -352,3 +352,19 @@ def test_map_compares_objectives_cell_by_cell():
     assert (df[df.objective == "ar"].vs_first == 1.0).all()
     assert (df[df.objective == "bd3lm"].vs_first < 1.0).all()
     assert not df[df.objective == "ar"].plan.str.contains("bp=").any()
+
+
+def test_plan_for_ar_compares_no_implementations_over_a_bp_baseline():
+    """Objective ar has no BP plans: the speedup over the best plan without BP says nothing, so
+    csbp plan runs no other profile's baseline search and reports an empty comparison."""
+    from csbp.simulator.planner.method_vs_implementation import bp_applies, reading, speedup_by_implementation
+    from csbp.simulator.workload.workload import Workload
+
+    assert not bp_applies(Workload(seq_len=4096, block_size=1, objective="ar"))
+    assert bp_applies(Workload(seq_len=4096))
+    assert "does not apply" in reading({})
+    import csbp
+
+    planned = csbp.plan(model="tiny", objective="ar", seq_len="4k", hardware="h200", nodes=1)
+    assert planned.by_implementation == {}
+    assert speedup_by_implementation(planned.found) == {}

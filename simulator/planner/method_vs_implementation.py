@@ -28,6 +28,7 @@ from csbp.simulator.engine.simulate import simulate
 from csbp.simulator.report.result import Result
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.workload.spec import ModelSpec
+from csbp.simulator.plan.rules import applicable_axes
 from csbp.simulator.workload.workload import Workload
 
 PROFILES = ("ideal", "turbo-dllm")
@@ -40,6 +41,12 @@ def _baseline(model: ModelSpec, workload: Workload, profile: HardwareProfile, no
                   **searched).baseline
 
 
+def bp_applies(workload: Workload) -> bool:
+    """Whether the objective has noisy blocks for BP (objective ar has none): where it has not,
+    every plan is a plan without BP and the speedup over one says nothing."""
+    return "bp" in applicable_axes(workload, ("bp",))
+
+
 class BaselinesAhead:
     """The other profiles' baseline searches, each in a forked process started at once; a
     context manager that ends whichever were not collected (the main search failed)."""
@@ -49,7 +56,7 @@ class BaselinesAhead:
         self.inputs = (model, workload, profile)  # the very objects the search is given
         self.key = (nodes, engine)
         self.running: dict[str, tuple] = {}
-        if not Workers(searched.get("workers")).parallel or not core_free():
+        if not bp_applies(workload) or not Workers(searched.get("workers")).parallel or not core_free():
             return  # one core, no fork or no idle core: searched inline afterwards, as before
         ctx = mp.get_context("fork")
         gc.freeze()  # the collector then leaves the shared heap's pages alone in the child (no copies)
@@ -133,6 +140,8 @@ def speedup_by_implementation(found: Search, ahead: BaselinesAhead | None = None
     not fit or no plan without BP fits. `ahead`: baselines already being searched."""
     rec = found.recommended
     out: dict[str, float | None] = {}
+    if not bp_applies(found.workload):
+        return out  # no BP for this objective: nothing to compare with
     for name in PROFILES:
         if name == found.profile.implementation:
             out[name] = found.speedup
@@ -151,6 +160,8 @@ def speedup_by_implementation(found: Search, ahead: BaselinesAhead | None = None
 
 def reading(speedups: dict[str, float | None]) -> str:
     """One line: the two speedups and what the difference means."""
+    if not speedups:
+        return "BP does not apply to this objective: every plan ranked is a plan without BP"
     ideal, real = speedups.get("ideal"), speedups.get("turbo-dllm")
     shown = ", ".join(f"{k} {v:.2f}x" if v else f"{k} n/a" for k, v in speedups.items())
     if not ideal or not real:
