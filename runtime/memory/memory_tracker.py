@@ -50,6 +50,8 @@ class AllocatedBytes(TorchDispatchMode):
         if key in self.live:
             return
         n = storage.nbytes()
+        if not isinstance(n, int):  # a fake tensor being traced (symbolic size): no memory held
+            return
         self.live[key] = n
         self.now += n
         self.peak = max(self.peak, self.now)
