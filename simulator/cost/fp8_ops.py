@@ -13,16 +13,11 @@ import numpy as np
 
 from csbp.simulator.cost.step_ops import LOSS_BYTES, Comm, Compute, Deps, Phase
 from csbp.simulator.workload.spec import AttentionSpec
+from csbp.simulator.cost.linear_ops import resolve_linear_dtype
 
 # Weight tensors per layer whose amax one all-reduce carries (Llama's wq, wk, wv, wo, w1, w2, w3);
 # the all-reduce is a few KB, its latency is what costs [U].
 LINEARS_PER_LAYER = 7
-
-
-def step_linear_dtype(workload, impl) -> str:
-    """The blocks' linear dtype: the workload's (`--linear-dtype`), else the implementation
-    profile's `linear_dtype`, else bf16 (= linear_ops.resolve_linear_dtype)."""
-    return workload.linear_dtype or getattr(impl, "linear_dtype", None) or "bf16"
 
 
 class FP8Ops:
@@ -30,7 +25,7 @@ class FP8Ops:
 
     def linear_dtype(self) -> str:
         """The blocks' linear dtype: the workload's, else the implementation profile's."""
-        return self.cached(("linear-dtype",), lambda: step_linear_dtype(self.w, self.impl))
+        return self.cached(("linear-dtype",), lambda: resolve_linear_dtype(self.w, self.impl))
 
     def fp8_gemm(self, which: str) -> bool:
         """Whether one GEMM (forward, dgrad, wgrad) of the block linears runs FP8: the linear

@@ -54,18 +54,13 @@ class LinearGemmOps:
     projection (LM head), attention and norms stay bf16. Only the GEMMs' rate changes here (the
     GPU's `fp8_peak_tflops` and `fp8_gemm_efficiency`, `cost.compute_seconds`), not their FLOPs;
     which GEMMs run FP8, and the casts, amax and FP8 weight copies around them, are the
-    implementation's (`fp8_ops.FP8Ops.fp8_gemm` where the builder has it, else all three when the
-    linear dtype is fp8). MoE experts (grouped GEMMs) stay bf16 [U: neither framework's FP8
+    implementation's (`fp8_ops.FP8Ops.fp8_gemm`, mixed into the same builder). MoE experts (grouped
+    GEMMs) stay bf16 [U: neither framework's FP8
     expert path is in frameworks.md]."""
 
     def fp8_share(self, gemms: tuple[str, ...]) -> float:
         """Share of the FLOPs of `gemms` (GEMMs of equal FLOPs) that run FP8."""
-        which = getattr(self, "fp8_gemm", None)  # the implementation's choice (fp8_ops.py)
-        if which is None:
-            fp8 = self.cached(("linear-dtype",), lambda: resolve_linear_dtype(self.w, self.impl)) == "fp8"
-            share = 1.0 if fp8 else 0.0
-        else:
-            share = sum(bool(which(g)) for g in gemms) / len(gemms)
+        share = sum(bool(self.fp8_gemm(g)) for g in gemms) / len(gemms)  # the implementation's (fp8_ops)
         if share and FP8_NOTE not in self.notes:  # a sub-pass shares the notes
             self.notes.append(FP8_NOTE)
         return share

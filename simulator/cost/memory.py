@@ -19,7 +19,7 @@ import numpy as np
 
 from csbp.simulator.layout import kv_rows
 from csbp.simulator.cost import loss_ops, memory_timeline
-from csbp.simulator.cost.fp8_ops import step_linear_dtype
+from csbp.simulator.cost.linear_ops import resolve_linear_dtype
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.system.implementation import load_implementation
 from csbp.simulator.layout.layout import Layout, kv_row_bytes
@@ -270,7 +270,7 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
     noisy = kv_rows.held(layout, "noisy") * batch
     impl = load_implementation(profile.implementation)
     family = impl.family(layout.kind, plan.transport)
-    linear_dtype = step_linear_dtype(workload, impl)
+    linear_dtype = resolve_linear_dtype(workload, impl)
     sizes = memory_timeline.Sizes(tokens=tokens, noisy=noisy, hidden=tokens * model.hidden * dt / tp,
                                   dt=dt, tp=tp, batch=batch, family=family, impl=impl,
                                   block=workload.block_size, linear_dtype=linear_dtype,
