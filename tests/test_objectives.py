@@ -85,8 +85,10 @@ def test_diffusiongemma_adds_the_clean_stream_ar_loss():
     recompute = load_implementation(DEFAULT_IMPLEMENTATION).loss.recompute_logits
     assert off.flops().sum() - bd3.flops().sum() == pytest.approx((3 + recompute) * head)
     assert off.model_flops - bd3.model_flops == pytest.approx(3 * head)
-    rows = [op.work.flops for op in off.ops if op.name == "lm-head"][0]
-    assert sum(rows) == pytest.approx(head * 2)  # noisy and clean rows: 2L
+    # one LM head per trained stream (implementation.md 12): the encoder's over the clean rows,
+    # the decoder's over the noisy ones, 2L in all
+    heads = {op.name: sum(op.work.flops) for op in off.ops if op.name.endswith("lm-head")}
+    assert heads["encoder.lm-head"] == pytest.approx(head) and heads["decoder.lm-head"] == pytest.approx(head)
 
 
 def test_self_conditioning_adds_its_expected_canvas_forward_and_soft_embedding():

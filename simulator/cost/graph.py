@@ -128,8 +128,9 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                  gpus_per_node: int, ops: list | None = None, notes: list | None = None,
                  one_bucket: bool = False, keys_at_home: bool = False,
-                 implementation: "Implementation | str | None" = None) -> None:
+                 implementation: "Implementation | str | None" = None, prefix: str = "") -> None:
         self.m, self.w, self.p, self.lay = model, workload, plan, layout
+        self.prefix = prefix  # a trained stream's ops are named after it ("encoder.", "decoder.")
         self.impl = load_implementation(implementation or DEFAULT_IMPLEMENTATION)
         self.family = self.impl.family(layout.kind, plan.transport)
         self.one_bucket = one_bucket
@@ -170,6 +171,8 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         flat = tuple(sorted({d for ds in deps for d in ds}))
         if work is None:
             return flat
+        if self.prefix:
+            name = self.prefix + name
         self.ops.append(Op(len(self.ops), name, phase, layer, work, flat))
         return (len(self.ops) - 1,)
 
@@ -331,6 +334,10 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         x = self.add("norm-rope-bwd", "backward", li, norm_work, x)
         return self.tp_step("attn-in.rs-bwd", "backward", li, self.tp_collective("reduce-scatter"), x) + self.tp_side()
 
+    def embed_work(self) -> Compute:
+        """The embedding lookup of the builder's rows (read and write one hidden row each)."""
+        return self.memory_bound(self.tokens * self.m.hidden * self.dt * 2 / self.tp)
+
     # -- the step ------------------------------------------------------------------------------
     def build(self) -> StepGraph:
         m, w, layers, obj = self.m, self.w, self.m.layers, self.obj
@@ -352,7 +359,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         self.notes.extend(self.attention_notes())  # how the CP exchange runs (attention_ops)
         self.notes.append(self.gradient_note())
         self.notes.extend(self.loss_notes())
-        embed = self.memory_bound(self.tokens * h * self.dt * 2 / self.tp)
+        embed = self.embed_work()
         grads, x = (), ()
         bucketed = not self.one_bucket
         # a drafter's offline features: a background reader beside the step (objective_ops)
@@ -360,35 +367,41 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         x = self.root_gather(x)  # FSDP2's root module, gathered once (optimizer_ops)
         if obj.canvas_passes:
             x = self.canvas_pass(self.canvas_sync(x))
+        # the trained streams in program order: one pass over the layout, or (DiffusionGemma,
+        # implementation.md 12) the encoder over the clean rows, then the decoder over the canvas
+        streams = self.stream_builders()  # objective_ops
         for v in range(obj.passes):
             last_view = v == obj.passes - 1
-            x = self.add("embed", "forward", None, embed, x)
-            # vocabulary-parallel embedding: partial embeddings reduce-scattered to the shards
-            x = self.add("embed.rs", "forward", None, self.tp_collective("reduce-scatter"), x)
-            x = self.add("fc-conditioning", "forward", None, self.conditioning(False), x)
-            prefetch: Deps = ()
-            for li, a in enumerate(layers):
-                if zero3:  # gather layer li's parameters while layer li-1 computes
-                    prefetch = self.param_gather("zero3.params", "forward", li, *self.layer_params(a), prefetch)
-                x = self.layer(li, a, "forward", x + prefetch)
-            x = self.loss_forward(x)
-            x = self.loss_backward(x)
+            for s in streams:  # forward: each stream through every layer and its loss
+                x = s.add("embed", "forward", None, embed if s is self else s.embed_work(), x)
+                # vocabulary-parallel embedding: partial embeddings reduce-scattered to the shards
+                x = s.add("embed.rs", "forward", None, s.tp_collective("reduce-scatter"), x)
+                x = s.add("fc-conditioning", "forward", None, s.conditioning(False), x)
+                prefetch: Deps = ()
+                for li, a in enumerate(layers):
+                    if zero3:  # gather layer li's parameters while layer li-1 computes
+                        prefetch = self.param_gather("zero3.params", "forward", li, *self.layer_params(a), prefetch)
+                    x = s.layer(li, a, "forward", x + prefetch)
+                x = s.loss_forward(x)
+                x = s.loss_backward(x)
             if last_view and bucketed and head_params and not m.tie_embeddings:
                 grads += self.bucket_ready(None, head_params, 0.0, x)
-            prefetch = ()
-            for li in range(len(layers) - 1, -1, -1):
-                a = layers[li]
-                if zero3 and self.regathers(li):
-                    prefetch = self.param_gather("zero3.params", "backward", li, *self.layer_params(a), prefetch)
-                if recompute:  # rerun the layer from its checkpointed input, then backward
-                    x = self.layer(li, a, "recompute", x + prefetch)
-                x = self.layer(li, a, "backward", x + prefetch)
-                if last_view and bucketed:
-                    grads += self.bucket_ready(li, *self.layer_params(a), x)
-            x = self.add("fc-conditioning-bwd", "backward", None, self.conditioning(True), x)
-            if not obj.frozen_embeddings:
-                x = self.add("embed.ag-bwd", "backward", None, self.tp_collective("all-gather"), x)
-                x = self.add("embed-bwd", "backward", None, embed, x)
+            for s in reversed(streams):  # backward: the last stream first; the first one's
+                done = s is streams[0]  # backward completes each layer's weight gradients
+                prefetch = ()
+                for li in range(len(layers) - 1, -1, -1):
+                    a = layers[li]
+                    if zero3 and self.regathers(li):
+                        prefetch = self.param_gather("zero3.params", "backward", li, *self.layer_params(a), prefetch)
+                    if recompute:  # rerun the layer from its checkpointed input, then backward
+                        x = s.layer(li, a, "recompute", x + prefetch)
+                    x = s.layer(li, a, "backward", x + prefetch)
+                    if last_view and bucketed and done:
+                        grads += self.bucket_ready(li, *self.layer_params(a), x)
+                x = s.add("fc-conditioning-bwd", "backward", None, s.conditioning(True), x)
+                if not obj.frozen_embeddings:
+                    x = s.add("embed.ag-bwd", "backward", None, s.tp_collective("all-gather"), x)
+                    x = s.add("embed-bwd", "backward", None, embed if s is self else s.embed_work(), x)
             if last_view:  # norms' and router's partial gradients summed over TP, once
                 grads += self.add("grads.sequence-parallel.all-reduce", "grad-sync", None, self.comm(
                     "all-reduce", self.sequence_parallel_params() * self.dt * 2 * self.ring_share(self.g_tp),

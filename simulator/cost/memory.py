@@ -324,8 +324,9 @@ def encoder_retained(model: ModelSpec, layout: Layout, batch: int, dt: int,
                      tp: int, impl=None) -> memory_timeline.RetainedEncoder:
     """What DiffusionGemma's encoder keeps for its decoder (implementation.md section 12), per
     rank: each layer's K/V of the clean rows the rank owns (the whole clean stream under pure BP,
-    `WholeCleanLayout`) and one encoder checkpoint of its clean query rows. The decoder re-gathers
-    remote clean K/V inside its own layers [U]."""
+    `WholeCleanLayout`) and one encoder checkpoint of its clean query rows. Only the owned rows:
+    the decoder gathers remote clean K/V again inside its own layers (the profile's
+    `encoder_kv: regather`, the step graph's decoder stream, [U])."""
     owned = kv_rows.held(layout, "context").astype(float) * batch  # clean K/V rows it owns
     clean = (kv_rows.held(layout, "positions") - kv_rows.held(layout, "noisy")).astype(float) * batch
     kv = {a: owned * kv_row_bytes(a, dt, tp) for a in _model_sizes(model)["kinds"] if a.kind != "linear"}

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 from csbp.simulator.layout import mask
 from csbp.simulator.layout import kv_rows
-from csbp.simulator.layout.objective_layout import (canvas_view, locality_anchor_blocks, untrimmed,
-                                                      window_union)
+from csbp.simulator.layout.objective_layout import (canvas_view, locality_anchor_blocks, stream_views,
+                                                      untrimmed, window_union)
 from csbp.simulator.layout.pairs import QueryIntervals
 from csbp.simulator.layout.spans import normalize
 from csbp.simulator.workload.spec import AttentionSpec
@@ -120,6 +120,23 @@ class ObjectiveOps:
         group = {"ep": self.g_ep}[axis]
         return self.add(f"selfcond.draw.{axis}-max", "forward", None, self.comm(
             "all-reduce", COUNT_BYTES * 2 * self.ring_share(group), group, "other"), x)
+
+    def stream_builders(self) -> list:
+        """The step's trained streams in program order, each a builder over its layout view:
+        this builder for one pass over the layout; for an objective whose `streams` are
+        ("encoder", "decoder") (DiffusionGemma, implementation.md 12) the encoder over the
+        clean rows and the decoder over the canvas (`objective_layout.stream_views`), appending
+        to this builder's ops with their stream's name. The decoder gathers the encoder's remote
+        clean K/V again in its own layers (`encoder_kv: regather`, the profile's fact): its view
+        owns what the main layout owns, so its exchange moves them as the one pass did."""
+        if self.obj.streams == ("main",):
+            return [self]
+        if self.obj.streams != ("encoder", "decoder") or self.impl.encoder_kv != "regather":
+            raise ValueError(f"trained streams {self.obj.streams} with encoder_kv "
+                             f"{self.impl.encoder_kv!r} are not modelled")
+        return [type(self)(self.m, self.w, self.p, view, self.gpn, self.ops, self.notes,
+                           keys_at_home=self.keys_at_home, implementation=self.impl, prefix=f"{name}.")
+                for name, view in zip(self.obj.streams, stream_views(self.lay))]
 
     def canvas_pass(self, x: Deps) -> Deps:
         """Self-conditioning: the expected share of a gradient-free forward of the canvas tokens,

@@ -30,6 +30,7 @@ from csbp.simulator.layout import mask
 from csbp.simulator.plan.plan import Plan
 from csbp.simulator.layout.spans import Span, intersect, normalize, size, subtract
 from csbp.simulator.workload.spec import AttentionSpec
+from csbp.simulator.workload.objectives import replicates_clean_under_bp
 from csbp.simulator.workload.workload import Workload
 
 Payload = Literal["kv", "dkv"]
@@ -322,7 +323,7 @@ def _build(workload: Workload, plan: Plan) -> Layout:
 
         return AnchorLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing,
                             anchors=workload.max_anchors, window=workload.drafter_window)
-    if workload.objective == "diffusiongemma" and plan.kind == "bp":  # implementation.md 12
+    if plan.kind == "bp" and replicates_clean_under_bp(workload.objective):  # implementation.md 12
         from csbp.simulator.layout.objective_layout import WholeCleanLayout
 
         return WholeCleanLayout(workload.seq_len, workload.block_size, plan, workload.checkpointing)

@@ -5,8 +5,10 @@ K/V movement, pair counting and the step graph work unchanged on them:
 - `AnchorLayout` (dflash2): the noisy stream holds only the draft blocks that start at the
   sampled anchors; the clean stream holds the target's features, which are keys only. A draft
   block at anchor block k sees clean blocks < k and itself, which is the BD3-LM mask.
-- `CanvasLayout` (diffusiongemma self-conditioning): the same ownership as the main layout, with
-  only the noisy (canvas) positions as queries.
+- `CanvasLayout` (diffusiongemma self-conditioning and its trained decoder stream): the same
+  ownership as the main layout, with only the noisy (canvas) positions as queries.
+- `EncoderLayout` (diffusiongemma's encoder stream): the main layout's clean rows only, as
+  queries and owned K/V (`stream_views` gives both streams' views).
 - `CausalLayout` (ar): one causal sequence held in the clean stream's coordinates at block 1.
 
 CausalLayout API (what the simulator prices and a runtime executes for objective ar):
@@ -136,12 +138,16 @@ class WholeCleanLayout(Layout):
     noisy blocks, so clean compute and clean K/V are not divided by BP."""
 
     def _build_shares(self) -> tuple[RankShare, ...]:
-        shares = super()._build_shares()
-        if self.plan.kind != "bp":
-            return shares
-        clean = ((self.seq_len, 2 * self.seq_len),)
-        return tuple(replace(s, positions=normalize(subtract(s.positions, clean) + clean), owned_kv=clean)
-                     for s in shares)
+        return _whole_clean(self, super()._build_shares())
+
+
+def _whole_clean(layout: Layout, shares: tuple[RankShare, ...]) -> tuple[RankShare, ...]:
+    """Pure BP's shares with the whole clean stream on every rank (others unchanged)."""
+    if layout.plan.kind != "bp":
+        return shares
+    clean = ((layout.seq_len, 2 * layout.seq_len),)
+    return tuple(replace(s, positions=normalize(subtract(s.positions, clean) + clean), owned_kv=clean)
+                 for s in shares)
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,32 @@ class CanvasLayout(Layout):
 
 def canvas_view(layout: Layout) -> CanvasLayout:
     return CanvasLayout(layout.seq_len, layout.block, layout.plan, layout.checkpointing)
+
+
+@dataclass(frozen=True)
+class EncoderLayout(Layout):
+    """DiffusionGemma's encoder stream (implementation.md section 12): the main layout's clean
+    rows only, as queries and as owned K/V (the encoder makes no noisy K/V); `whole_clean`: the
+    main layout is `WholeCleanLayout` (pure BP, every rank the whole clean stream)."""
+
+    whole_clean: bool = False
+
+    def _build_shares(self) -> tuple[RankShare, ...]:
+        shares = super()._build_shares()
+        if self.whole_clean:
+            shares = _whole_clean(self, shares)
+        clean = ((self.seq_len, 2 * self.seq_len),)
+        return tuple(replace(s, positions=intersect(s.positions, clean), owned_kv=intersect(s.owned_kv, clean))
+                     for s in shares)
+
+
+def stream_views(layout: Layout) -> tuple[EncoderLayout, CanvasLayout]:
+    """(encoder, decoder) views of a two-stream objective's layout: the encoder over the clean
+    rows, the decoder over the noisy canvas (`CanvasLayout`: noisy queries, the same owned K/V,
+    so its exchange fetches the clean K/V the encoder made)."""
+    enc = EncoderLayout(layout.seq_len, layout.block, layout.plan, layout.checkpointing,
+                        whole_clean=isinstance(layout, WholeCleanLayout))
+    return enc, canvas_view(layout)
 
 
 @dataclass(frozen=True)

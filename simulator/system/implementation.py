@@ -425,6 +425,12 @@ class Implementation(BaseModel):
     # the plan families this framework can run (a plan of another is refused in one line,
     # plan/rules.py); empty: every family
     plan_families: Annotated[tuple[str, ...], FIGURE] = ()
+    # a two-stream objective (DiffusionGemma, implementation.md 12) under CP/CSBP: how the
+    # decoder gets the encoder's remote clean K/V. `regather`: its own layers gather them again
+    # (forward and recompute) and send their gradients home in backward, each rank keeping only
+    # the encoder K/V rows it owns. Keeping every layer's gathered clean K/V alive for the
+    # decoder instead is not modelled (no other value is accepted).
+    encoder_kv: Annotated[Literal["regather"], FIGURE] = "regather"
     sources: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")

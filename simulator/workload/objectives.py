@@ -131,6 +131,18 @@ def as_executed(workload: Workload, model: ModelSpec) -> Workload:
     return workload.model_copy(update={"drafter_window": window})
 
 
+# Objectives whose pure-BP ranks run the whole clean stream (implementation.md section 12,
+# DiffusionGemma's `kv_backend: replicated`: clean_positions = arange(seq_len)). A model-free fact:
+# the layout needs it before a model is known (`Layout.build`), the shape carries it as
+# `bp_whole_clean`.
+_WHOLE_CLEAN_UNDER_BP = frozenset({"diffusiongemma"})
+
+
+def replicates_clean_under_bp(objective: str) -> bool:
+    """Whether a pure-BP rank of `objective` runs every clean row, not only its blocks' prefix."""
+    return objective in _WHOLE_CLEAN_UNDER_BP
+
+
 _BASE = dict(passes=1, rows_per_example=1, canvas_passes=0.0, canvas_sync_axis=None,
              soft_embedding=False, clean_loss=False, frozen_router=False, frozen_embeddings=False,
              context_as_kv=False, vocab_block=None, head_recompute=False, stored_features=0,
@@ -174,12 +186,19 @@ def objective_shape(workload: Workload, model: ModelSpec, plan: Plan | None = No
         return ObjectiveShape(**{**_BASE, "name": obj, "canvas_passes": run, "canvas_sync_axis": "ep",
                                  "soft_embedding": True, "clean_loss": True,
                                  "frozen_router": model.is_moe, "streams": ("encoder", "decoder"),
-                                 "retain_encoder_kv": True, "bp_whole_clean": True, "notes": (
+                                 "retain_encoder_kv": True, "bp_whole_clean": replicates_clean_under_bp(obj), "notes": (
             "diffusiongemma: three role passes of one tied transformer (implementation.md 4): (1) "
             "causal clean encoder with gradients, (3) bidirectional decoder over the noisy canvas "
             f"(block = canvas = {workload.block_size}) reading the clean prefix: BD3-LM's 2L pairs, "
-            "run here as one 2L pass (same FLOPs and K/V; separate encoder and decoder calls are "
-            "not modelled) [U]; loss on every canvas token (uniform corruption)",
+            "run as two streams in sequence (implementation.md 12): the encoder over the rank's "
+            "clean rows (every layer, then its AR loss), then the decoder over its canvas rows "
+            "reading each layer's encoder K/V; backward: every decoder layer (recomputed), its "
+            "encoder K/V gradients accumulating, then every encoder layer; the weights' gradients "
+            "are reduced as the encoder's backward completes them (tied weights, [U]); under "
+            "CP/CSBP the decoder gathers the encoder's remote clean K/V again in its own layers "
+            "(forward, recompute; dK/dV sent home in its backward) as the implementation profile "
+            "says (`encoder_kv`); same FLOPs as one 2L pass; loss on every canvas token (uniform "
+            "corruption)",
             "diffusiongemma (1): autoregressive loss (weight 1.0) on the clean stream: LM head and "
             "cross-entropy over every clean row a rank computes, forward and backward",
             f"diffusiongemma (2): self-conditioning p={p:g} per example, its draw MAX-synchronised "
