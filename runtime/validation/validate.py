@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from csbp.runtime.validation.validation_report import compare
+from csbp.runtime.validation.validation_runs import steps_for
 from csbp.runtime.validation.validation_suite import VALIDATION_MODEL, Case, suite
 from csbp.simulator.errors import InputError
 
@@ -56,7 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "memory and the report (CI)")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help=f"hardware profile of this host (default {DEFAULT_PROFILE}; `csbp calibrate` writes it)")
-    p.add_argument("--steps", type=int, default=None, help="measured steps per run (default 3, quick 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="measured steps per run at least (default 3, quick 1); a plan with a short "
+                        "step runs more, to measure 2.5 s (not under --quick)")
     p.add_argument("--repeats", type=int, default=None,
                    help="independent runs per plan, for the noise (default 3, quick 1)")
     p.add_argument("--plot", default="validation.png", help="PNG path (default validation.png)")
@@ -90,23 +93,25 @@ def run(args: argparse.Namespace) -> int:
     for line in warnings:  # one line each, however narrow the terminal (like `csbp: error:`)
         print(f"csbp: warning: {line}", file=sys.stderr, flush=True)
     cases = suite(args.quick)
+    # predicted first: a short plan measures more steps (validation_runs.steps_for); --quick
+    # keeps its one step (it checks bytes, memory and the report, not time)
+    predictions = [predict(c, profile) for c in cases]
+    per_case = steps if args.quick else steps_for([p.step_time_s for p in predictions], steps)
     load_before = loadavg()
     with console.status("running") as status:
         try:
             # warm-up: one at least, so the tracked memory peak (steps 0 and 1, memory_tracker)
             # includes a step with optimizer state, the steady state the model predicts
-            runs = measure_suite(cases, repeats, steps, 1 if args.quick else 2, args.timeout,
+            runs = measure_suite(cases, repeats, per_case, 1 if args.quick else 2, args.timeout,
                                  lambda text: status.update(f"running: {text}"),
                                  profile.node.probe_step_s is not None)
         except RunFailed as err:  # a rank failed: one line, like `csbp run`
             console.print(f"csbp: error: {err}", highlight=False, markup=False)
             return 1
-        status.update("simulating")
-        predictions = [predict(c, profile) for c in cases]
     report = compare(cases, runs, predictions, profile.node.probe_step_s)
     report |= {"profile_warnings": warnings, "this_host": here.as_profile_fields(),
                "profile": profile.name, "load": f"{load_before} -> {loadavg()}", "plot": str(plot_path),
-               "model": VALIDATION_MODEL.name, "steps": steps, "repeats": repeats, "quick": args.quick}
+               "model": VALIDATION_MODEL.name, "steps": steps, "steps_per_case": per_case, "repeats": repeats, "quick": args.quick}
     from csbp.runtime.validation.validation_plot import plot
 
     plot(report["rows"], plot_path, f"csbp validate on {profile.name}: step time")

@@ -23,8 +23,16 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
     """Per rank: FLOPs / (peak x efficiency), or bytes / (HBM x efficiency) for memory-bound ops.
 
     On a host whose ranks share fewer cores than there are ranks, each gets its share of the
-    speed; a profile with a per-op overhead (dispatch, launch) adds it per kernel call.
+    speed (every rank of the host taken as busy: `host_share` for another count); a profile
+    with a per-op overhead (dispatch, launch) adds it per kernel call.
     """
+    alone = host_share(work, profile)
+    return alone.at(profile.node, profile.node.gpus_per_node) if isinstance(alone, HostShare) else alone
+
+
+def host_share(work: Compute, profile: HardwareProfile) -> "HostShare | np.ndarray":
+    """The op's time alone split for pricing at any number of busy ranks (`HostShare`), or its
+    seconds where ranks' sharing of the host does not enter (storage, H2D, a host sync's idle)."""
     gpu = profile.gpu
     flops, nbytes = np.asarray(work.flops), np.asarray(work.bytes)
     if work.kind == "storage-read":  # the node's storage, shared by its ranks reading at once
@@ -73,15 +81,43 @@ def compute_seconds(work: Compute, profile: HardwareProfile) -> np.ndarray:
             busy = flops / (gpu.peak_tflops * 1e12 * eff)
         if dense and all(s is not None for s in dense):  # measured per visible / masked score
             busy = np.array(dense)
-    overhead = (gpu.op_overhead_us or 0.0) * US * work.kernels
-    node, ranks = profile.node, profile.node.gpus_per_node
-    if node.rank_speed is None:
-        # host overhead is CPU time too: ranks sharing cores slow it down like arithmetic
-        shared = (busy + overhead) / node.core_share(ranks)
-    else:  # measured per op class: each slows as much as its own measurement says
-        shared = (busy / node.rank_share(HOST_OP_CLASS.get(work.kind, "gemm"), ranks)
-                  + overhead / node.rank_share("host", ranks))
-    return np.where((flops > 0) | (nbytes > 0), shared, 0.0)
+    overhead = np.full(len(flops), (gpu.op_overhead_us or 0.0) * US * work.kernels)
+    return HostShare(busy, overhead, HOST_OP_CLASS.get(work.kind, "gemm"), (flops > 0) | (nbytes > 0))
+
+
+class HostShare:
+    """A compute op's seconds alone on its rank, split by what slows it when ranks share a
+    host's cores: its arithmetic (its op class's measured curve) and its per-call host overhead
+    (CPU time too: the host curve). `at` prices it with a number of ranks busy at once: the
+    host's rank count for a static price, or per rank the ranks busy while it runs
+    (`engine/host_crowding.py`). On a GPU every share is 1 and `at` is busy + overhead."""
+
+    __slots__ = ("busy", "overhead", "op_class", "works")
+
+    def __init__(self, busy: np.ndarray, overhead: np.ndarray, op_class: str, works: np.ndarray) -> None:
+        self.busy, self.overhead, self.op_class, self.works = busy, overhead, op_class, works
+
+    def at(self, node, ranks: float | np.ndarray) -> np.ndarray:
+        """Seconds per rank with `ranks` ranks busy: one count for all, or one per rank."""
+        if np.ndim(ranks) == 0:
+            op_share, host_share = self._shares(node, ranks)
+        else:
+            read: dict[float, tuple[float, float]] = {}  # each distinct count's shares read once
+            pairs = [read[n] if n in read else read.setdefault(n, self._shares(node, n))
+                     for n in np.asarray(ranks, dtype=float).tolist()]
+            op_share, host_share = (np.array(column) for column in zip(*pairs))
+        if node.rank_speed is None:
+            # host overhead is CPU time too: ranks sharing cores slow it down like arithmetic
+            shared = (self.busy + self.overhead) / op_share
+        else:  # measured per op class: each slows as much as its own measurement says
+            shared = self.busy / op_share + self.overhead / host_share
+        return np.where(self.works, shared, 0.0)
+
+    def _shares(self, node, ranks: float) -> tuple[float, float]:
+        if node.rank_speed is None:
+            share = node.core_share(ranks)
+            return share, share
+        return node.rank_share(self.op_class, ranks), node.rank_share("host", ranks)
 
 
 # which measured sharing curve (`Node.rank_speed`) prices each kind of compute on a shared host:

@@ -46,8 +46,12 @@ def durations(graph: StepGraph, profile: HardwareProfile) -> np.ndarray:
 
 
 def simulate_graph(graph: StepGraph, profile: HardwareProfile, engine: str = "des",
-                   overlap: bool = True) -> tuple[Timeline, np.ndarray]:
-    """(timeline, durations) of the step with the named engine."""
+                   overlap: bool = True, copies: int | None = None) -> tuple[Timeline, np.ndarray]:
+    """(timeline, durations) of the step with the named engine.
+
+    `copies`: ranks each representative rank stands for when the plan runs on one host (its
+    DP/TP/EP peers); with a profile that measured how ranks share the host, every op is then
+    priced at the ranks busy while it runs (`host_crowding`), else at all the host's ranks."""
     d = durations(graph, profile)
     if engine == "des":
         from csbp.simulator.engine.des import run
@@ -57,7 +61,17 @@ def simulate_graph(graph: StepGraph, profile: HardwareProfile, engine: str = "de
         from csbp.simulator.errors import InputError
 
         raise InputError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
-    return run(graph, d, overlap, stretch=stretch(graph, profile)), d
+    slowdown = stretch(graph, profile)
+    from csbp.simulator.engine import host_crowding
+
+    if host_crowding.applies(profile, copies):
+        def timeline(priced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            t = run(graph, priced, overlap, stretch=slowdown)
+            return t.start, t.finish
+
+        start, finish, d = host_crowding.crowded(graph, profile, d, copies, overlap, timeline)
+        return Timeline(start, finish), d
+    return run(graph, d, overlap, stretch=slowdown), d
 
 
 def stretch(graph: StepGraph, profile: HardwareProfile) -> np.ndarray | None:

@@ -77,7 +77,9 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
         notes.append("the plan does not fit: step time from the closed form, no tokens/s")
     if not overlap:
         notes.append("overlap off: every transfer waits for compute and blocks it")
-    timeline, durations = simulate_graph(graph, profile, used, overlap)
+    # one host's ranks (a CPU host): each op priced at the ranks busy while it runs
+    copies = gpus // graph.ranks if nodes == 1 and gpus % graph.ranks == 0 else None
+    timeline, durations = simulate_graph(graph, profile, used, overlap, copies=copies)
     summary = summarize(graph, timeline, durations, with_trace)
     step = summary.step_time_s
     kv = np.zeros(layout.size)  # identical layers move identical rows: count each kind once

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from csbp.simulator.engine import durations
+from csbp.simulator.engine import durations, host_crowding
 from csbp.simulator.cost.graph import Comm, StepGraph
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.workload.objectives import as_executed
@@ -99,7 +99,8 @@ def busy_per_rank(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
                             profile.node.gpus_per_node,
                             keys_at_home=keys_at_home and keys_at_home_is_cheapest(profile),
                             implementation=profile.implementation)
-    return segment_sums(graph, counts, durations(graph, profile))
+    # ranks sharing a host: an op may run with fewer of them busy than all (engine/host_crowding)
+    return segment_sums(graph, counts, durations(graph, host_crowding.fastest(profile)))
 
 
 def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str, np.ndarray]:
