@@ -148,3 +148,24 @@ def test_spans_out_of_order_take_the_per_position_path():
         want = _tile_counts_reference(shuffled, k, L, b, w, qr, kt)
         assert tile_counts(shuffled, k, L, b, w, qr, kt) == _by_position(shuffled, normalize(k), L, b, w, qr, kt) \
             == tuple(int(x) for x in want)
+
+
+def test_calls_counted_at_once_equal_the_calls_one_by_one():
+    """`tile_counts_each` lays several calls side by side in one pass (issue 25): each call's
+    counts are those `tile_counts` gives it alone, keys empty, queries out of order (counted
+    by position) and calls of real layouts' ranks included."""
+    from csbp.simulator.layout.tiles import tile_counts_each
+    rng = random.Random(29)
+    for _ in range(200):
+        _, _, L, b, w, qr, kt = _random_case(rng)
+        calls = []
+        for _ in range(rng.randint(1, 7)):
+            q = _random_spans(rng, 2 * L, rng.randint(1, 12)) or ((0, 1),)
+            k = rng.choice([((0, 2 * L),), _random_spans(rng, 2 * L, rng.randint(1, 12)), ((L, 2 * L),), q, ()])
+            calls.append((tuple(reversed(q)) if rng.random() < 0.1 else q, k))
+        assert tile_counts_each(calls, L, b, w, qr, kt) == [tile_counts(q, k, L, b, w, qr, kt) for q, k in calls]
+    by_params: dict[tuple, list] = {}
+    for case in _layout_cases(random.Random(30), 300):
+        by_params.setdefault(case[2:], []).append(case[:2])
+    for params, calls in by_params.items():
+        assert tile_counts_each(calls, *params) == [tile_counts(q, k, *params) for q, k in calls]

@@ -28,7 +28,7 @@ from csbp.simulator.layout.pairs import QueryIntervals
 from csbp.simulator.layout.spans import Span, normalize
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.cost.step_ops import Comm, Compute, Deps, Phase
-from csbp.simulator.layout.tiles import tile_counts, tiles_aligned
+from csbp.simulator.layout.tiles import tile_counts_each, tiles_aligned
 
 # FlashAttention backward does 5 matmuls against the forward's 2 (FlashAttention-2 paper, sec. 3).
 ATTENTION_BACKWARD_FLOP_RATIO = 2.5
@@ -222,13 +222,18 @@ class AttentionOps:
 
         def count():
             out = np.zeros((2, self.n))
+            counted = []  # every rank's call that is not aligned, counted in one pass
             for r in range(self.n):
                 q, k = self.call_spans(r, name)
                 if tiles_aligned(q, k, self.lay.seq_len, self.lay.block, window, rows, ATTENTION_KERNEL_TILE):
                     out[0, r] = pairs[r] / (rows * ATTENTION_KERNEL_TILE)  # every touched tile is full
                 else:
-                    out[:, r] = tile_counts(q, k, self.lay.seq_len, self.lay.block, window, rows,
-                                            ATTENTION_KERNEL_TILE)
+                    counted.append((r, q, k))
+            if counted:
+                each = tile_counts_each([(q, k) for _, q, k in counted], self.lay.seq_len, self.lay.block,
+                                        window, rows, ATTENTION_KERNEL_TILE)
+                for (r, _, _), fp in zip(counted, each):
+                    out[:, r] = fp
             return out
         return self.derived(("tiles", name, window, rows), count)
 

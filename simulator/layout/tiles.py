@@ -86,6 +86,172 @@ def _tile_counts(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int
     return full, touched - full
 
 
+def tile_counts_each(calls: list[tuple[tuple[Span, ...], tuple[Span, ...]]], seq_len: int, block: int,
+                     window: int | None, q_rows: int, k_tile: int) -> list[tuple[int, int]]:
+    """`tile_counts` of several calls (queries, keys) at once, in one pass of array operations:
+    each call's positions and keys are laid side by side at their own offset (a multiple of the
+    key tile past 2L, so no tile straddles two calls), which leaves every interval's count the
+    same. A step graph counts one call per rank of its group (issue 25: per-call array overhead
+    was most of the cost). The same integers as `tile_counts` call by call (tests/test_tiles.py)."""
+    out: list[tuple[int, int] | None] = [None] * len(calls)
+    keys_of: list[tuple[Span, ...]] = []
+    sides: dict[bool, list[tuple[int, np.ndarray, np.ndarray]]] = {True: [], False: []}
+    for j, (queries, keys) in enumerate(calls):
+        keys = normalize(keys) if keys else ()
+        keys_of.append(keys)
+        if not keys:
+            out[j] = (0, 0)
+            continue
+        q = np.array(queries, dtype=np.int64).reshape(-1, 2)
+        mine = []
+        for noisy, (lo, hi) in ((True, (0, seq_len)), (False, (seq_len, 2 * seq_len))):
+            starts, stops = np.maximum(q[:, 0], lo), np.minimum(q[:, 1], hi)
+            keep = stops > starts
+            starts, stops = starts[keep], stops[keep]
+            if starts.size and (starts[1:] < stops[:-1]).any():  # out of order: call by call
+                mine = None
+                break
+            if starts.size:
+                mine.append((noisy, starts, stops))
+        if mine is None:
+            out[j] = _tile_counts(tuple(queries), tuple(calls[j][1]), seq_len, block, window, q_rows, k_tile)
+            continue
+        out[j] = (0, 0)
+        for noisy, starts, stops in mine:
+            sides[noisy].append((j, starts, stops))
+    if not any(sides.values()):
+        return out
+    step = -(-2 * seq_len // k_tile) * k_tile  # each call's own stretch of key positions
+    used = sorted({j for items in sides.values() for j, _, _ in items})
+    spans = [(a + j * step, z + j * step) for j in used for a, z in keys_of[j]]
+    counter = _SpanTiles(np.array([a for a, _ in spans], dtype=np.int64),
+                         np.array([z for _, z in spans], dtype=np.int64), k_tile)
+    touched = np.zeros(len(calls), dtype=np.int64)
+    full = np.zeros(len(calls), dtype=np.int64)
+    for noisy, items in sides.items():
+        if items:
+            _sides_at_once(items, noisy, counter, step, seq_len, block, window, q_rows, touched, full)
+    for j in used:
+        out[j] = (int(full[j]), int(touched[j] - full[j]))
+    return out
+
+
+def _sides_at_once(items: list[tuple[int, np.ndarray, np.ndarray]], noisy: bool, counter: "_SpanTiles",
+                   step: int, seq_len: int, block: int, window: int | None, q_rows: int,
+                   touched: np.ndarray, full: np.ndarray) -> None:
+    """`_side` for one side of several calls at once, adding each call's (touched, full) into
+    `touched[j]`, `full[j]`. Buffer indices run on across calls (a tile never spans two: each
+    call's tiles start at its own first query), and positions searched against the prefix
+    pieces carry the call's offset, so no search crosses into another call's pieces."""
+    which = np.array([j for j, _, _ in items], dtype=np.int64)
+    starts = np.concatenate([s for _, s, _ in items])
+    stops = np.concatenate([e for _, _, e in items])
+    span_call = np.repeat(np.arange(len(items)), [s.size for _, s, _ in items])
+    lens = stops - starts
+    cum = np.concatenate(([0], np.cumsum(lens)))  # buffer index of each span's start
+    n = np.bincount(span_call, weights=lens, minlength=len(items)).astype(np.int64)
+    base = np.concatenate(([0], np.cumsum(n)[:-1]))
+    m = -(-n // q_rows)  # query tiles per call
+    tile_call = np.repeat(np.arange(len(items)), m)
+    first_i = base[tile_call] + (np.arange(int(m.sum()), dtype=np.int64)
+                                 - np.repeat(np.cumsum(m) - m, m)) * q_rows
+    last_i = np.minimum(first_i + q_rows, (base + n)[tile_call]) - 1
+    both = np.concatenate([first_i, last_i])
+    k = np.searchsorted(cum, both, side="right") - 1
+    both = starts[k] + (both - cum[k])  # buffer index -> query position
+    t = first_i.size
+    first, last = both[:t], both[t:]
+    ok = None
+    if noisy:
+        u, v, piece_span = _nonempty_prefix(starts, stops, seq_len, block, window, with_spans=True)
+        if u.size:
+            far = 2 * seq_len  # past every position: pieces and tiles of call c at c * far
+            off_p, off_t = span_call[piece_span] * far, tile_call * far
+            uo, vo, fo, lo = u + off_p, v + off_p, first + off_t, last + off_t
+            j = np.searchsorted(vo, fo, side="right")  # first piece ending after `first`
+            fne = np.maximum(uo[np.minimum(j, u.size - 1)], fo)
+            ok = (j < u.size) & (fne <= lo)
+            k = np.searchsorted(uo, lo, side="right") - 1  # last piece starting at or before `last`
+            lne = np.minimum(vo[np.maximum(k, 0)] - 1, lo)
+            both = np.concatenate([both, np.where(ok, fne - off_t, first), np.where(ok, lne - off_t, last)])
+    (own_a, own_z), (pre_a, pre_z) = mask.visible_intervals(both, seq_len, block, window)
+    shift = which[tile_call] * step  # each call's keys sit at its own offset
+    some_a, some_z = own_a[:t] + shift, own_z[t:2 * t] + shift
+    labels = tile_call
+    if ok is not None:
+        some_a = np.concatenate([some_a, np.where(ok, pre_a[2 * t:3 * t], 0) + shift])
+        some_z = np.concatenate([some_z, np.where(ok, pre_z[3 * t:], 0) + shift])
+        labels = np.concatenate([tile_call, tile_call])
+    every_a = np.concatenate([own_a[t:2 * t], pre_a[t:2 * t]]) + np.concatenate([shift, shift])
+    every_z = np.concatenate([own_z[:t], pre_z[:t]]) + np.concatenate([shift, shift])
+    np.add.at(touched, which, np.bincount(labels, weights=counter.touched(some_a, some_z),
+                                          minlength=len(items)).astype(np.int64))
+    np.add.at(full, which, np.bincount(np.concatenate([tile_call, tile_call]),
+                                       weights=counter.full(every_a, every_z),
+                                       minlength=len(items)).astype(np.int64))
+
+
+class _SpanTiles:
+    """`_KeyTiles`' counts from the key spans alone, without an array over every tile: the
+    tiles holding any key are the spans' tile ranges [s // t, ceil(e / t)) merged (neighbouring
+    spans may share a tile), those holding only keys of the call the ranges [ceil(s / t), e // t)
+    (disjoint: spans are normalised, so a gap lies between any two). Counting those below a
+    tile index is one search. The partial last tile of 2L is never inside an interval that
+    ends at or before 2L, so `full` never reads it. O(spans) to build, for any number of calls
+    laid side by side (`tile_counts_each`)."""
+
+    def __init__(self, starts: np.ndarray, stops: np.ndarray, tile: int) -> None:
+        self.tile, self.starts, self.stops = tile, starts, stops
+        self.before = np.concatenate([[0], np.cumsum(stops - starts)])
+        t0, t1 = starts // tile, -(-stops // tile)
+        new = np.concatenate([[True], t0[1:] >= t1[:-1]])  # no tile shared with the span before
+        first = np.flatnonzero(new)
+        self.any = _Runs(t0[first], np.maximum.reduceat(t1, first) if first.size else t1)
+        f0, f1 = -(-starts // tile), stops // tile
+        keep = f1 > f0
+        self.all = _Runs(f0[keep], f1[keep])
+
+    def below(self, x: np.ndarray) -> np.ndarray:
+        """Keys of the call at positions < x."""
+        i = np.searchsorted(self.starts, x, side="right")
+        inside = np.where(i > 0, np.minimum(x, self.stops[np.maximum(i - 1, 0)]) - self.starts[np.maximum(i - 1, 0)], 0)
+        return self.before[np.maximum(i - 1, 0)] * (i > 0) + np.maximum(inside, 0)
+
+    def touched(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Tiles holding at least one key of the call in [a, z), per interval (`_KeyTiles`)."""
+        t = self.tile
+        ok = z > a
+        a, z = np.where(ok, a, 0), np.where(ok, z, 1)
+        t0, t1 = a // t, (z - 1) // t
+        one = t0 == t1
+        head = (self.below(np.minimum(z, (t0 + 1) * t)) - self.below(a)) > 0
+        tail = (self.below(z) - self.below(np.maximum(a, t1 * t))) > 0
+        inner = np.where(t1 > t0 + 1, self.any.below(np.maximum(t1, t0 + 1)) - self.any.below(t0 + 1), 0)
+        return np.where(ok, np.where(one, head, head.astype(int) + tail + inner), 0)
+
+    def full(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Tiles lying wholly inside [a, z) whose keys all belong to the call (`_KeyTiles`)."""
+        t = self.tile
+        lo, hi = -(-a // t), z // t
+        return np.where(hi > lo, self.all.below(np.clip(hi, 0, None)) - self.all.below(np.clip(lo, 0, None)), 0)
+
+
+class _Runs:
+    """Sorted disjoint integer ranges [a, z): how many of their integers lie below x."""
+
+    def __init__(self, a: np.ndarray, z: np.ndarray) -> None:
+        self.a, self.z = a, z
+        self.before = np.concatenate([[0], np.cumsum(z - a)])
+
+    def below(self, x: np.ndarray) -> np.ndarray:
+        if not self.a.size:
+            return np.zeros(np.shape(x), dtype=np.int64)
+        k = np.searchsorted(self.a, x, side="right") - 1
+        kk = np.maximum(k, 0)
+        inside = np.minimum(x, self.z[kk]) - self.a[kk]
+        return np.where(k >= 0, self.before[kk] + np.maximum(inside, 0), 0)
+
+
 @functools.lru_cache(maxsize=256)
 def _key_tiles(keys: tuple[Span, ...], length: int, tile: int) -> "_KeyTiles":
     """The key-tile prefix sums of one key set, shared by every call over the same keys."""
@@ -151,30 +317,31 @@ def _side(starts: np.ndarray, stops: np.ndarray, noisy: bool, counter, seq_len: 
 
 
 def _nonempty_prefix(starts: np.ndarray, stops: np.ndarray, seq_len: int, block: int,
-                     window: int | None) -> tuple[np.ndarray, np.ndarray]:
+                     window: int | None, with_spans: bool = False) -> tuple[np.ndarray, ...]:
     """Sorted disjoint pieces [u, v) of the noisy query positions whose clean prefix run is not
-    empty: block start s >= b and offset i - s <= W - 2 (W = 2L + 1 without a window)."""
+    empty: block start s >= b and offset i - s <= W - 2 (W = 2L + 1 without a window).
+    `with_spans`: also the index of the span each piece lies in."""
     w = window if window is not None else 2 * seq_len + 1
     width = min(block, w - 1)  # non-empty offsets of a block: [0, width)
     none = np.zeros(0, np.int64)
     if width <= 0:
-        return none, none
+        return (none, none, none) if with_spans else (none, none)
     if width >= block:  # every query of blocks >= 1: one piece [b, L)
         u, v = np.maximum(starts, block), np.minimum(stops, seq_len)
         keep = v > u
-        return u[keep], v[keep]
+        return (u[keep], v[keep], np.flatnonzero(keep)) if with_spans else (u[keep], v[keep])
     k0 = np.maximum(starts // block, 1)
     k1 = (stops - 1) // block
     count = np.maximum(k1 - k0 + 1, 0)
     total = int(count.sum())
     if not total:
-        return none, none
+        return (none, none, none) if with_spans else (none, none)
     span = np.repeat(np.arange(starts.size), count)
     k = k0[span] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
     u = np.maximum(starts[span], k * block)
     v = np.minimum(np.minimum(stops[span], k * block + width), seq_len)
     keep = v > u
-    return u[keep], v[keep]
+    return (u[keep], v[keep], span[keep]) if with_spans else (u[keep], v[keep])
 
 
 def _by_position(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int, block: int,
