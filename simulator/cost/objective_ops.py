@@ -134,6 +134,13 @@ class ObjectiveOps:
         if self.obj.streams != ("encoder", "decoder") or self.impl.encoder_kv != "regather":
             raise ValueError(f"trained streams {self.obj.streams} with encoder_kv "
                              f"{self.impl.encoder_kv!r} are not modelled")
+        if self.lay.kind == "cp":
+            self.notes.append(
+                "two streams under pure CP: each stream runs on the rank's rows of the 2L two-chunk "
+                "zigzag (implementation.md 1), noisy chunk r and clean chunk 2cp-1-r, so each "
+                "stream alone is unbalanced (the heaviest clean chunk and the heaviest noisy chunk "
+                "sit on different ranks, and every layer's K/V collective waits for the slowest) "
+                "[U: whether the reference shards each stream on its own]")
         return [type(self)(self.m, self.w, self.p, view, self.gpn, self.ops, self.notes,
                            keys_at_home=self.keys_at_home, implementation=self.impl, prefix=f"{name}.")
                 for name, view in zip(self.obj.streams, stream_views(self.lay))]
