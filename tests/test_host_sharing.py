@@ -187,3 +187,55 @@ def test_rounds_alternate_so_every_rank_count_meets_the_start_and_the_end():
     mean_slot = {r: sum(o.index(r) for o in two) / 2 for r in range(1, 5)}
     assert len(set(mean_slot.values())) == 1  # 1.5 for every R
     assert round_orders(3, 0) == [[1, 2, 3]]  # at least one round
+
+
+# attention at a call 8 times larger shares worse (the issue-26 host: a large call slowed more
+# beside the other ranks than the small call's curve said)
+LARGE = (1.0, 0.7, 0.4, 0.25)
+
+
+def _sized_measurements():
+    m = _sharing_measurements()
+    for r in (1, 2, 3, 4):
+        m.rank_rates[r]["attention-large"] = [3.0 * LARGE[r - 1]] * r
+    return m
+
+
+@pytest.mark.floats
+def test_a_class_measured_at_two_call_sizes_is_read_between_them(tmp_path):
+    import yaml
+
+    from csbp.runtime.calibration.rank_sharing import ATTENTION_CALL, ATTENTION_LARGE_CALL, call_elements
+
+    raw = fit_profile(_sized_measurements(), "synthetic")
+    path = tmp_path / "sized.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False, width=100, default_flow_style=None))
+    node = load_profile(str(path)).node  # written and read back as `csbp calibrate` does
+    small, large = call_elements(ATTENTION_CALL), call_elements(ATTENTION_LARGE_CALL)
+    assert sorted(node.rank_speed_by_size["attention"]) == [small, large]
+    assert "attention-large" not in node.rank_speed  # a measurement, not a class of its own
+    # each measured size reads its own curve (4 significant digits: 1e-3) ...
+    assert node.rank_share("attention", 4, small) == pytest.approx(SPEED["attention"][3], rel=1e-3)
+    assert node.rank_share("attention", 4, large) == pytest.approx(LARGE[3], rel=1e-3)
+    # ... a call between them is read in log size, past them held at the ends
+    mid = (small * large) ** 0.5
+    assert node.rank_share("attention", 4, mid) == pytest.approx((SPEED["attention"][3] + LARGE[3]) / 2, rel=1e-3)
+    assert node.rank_share("attention", 4, large * 10) == pytest.approx(LARGE[3], rel=1e-3)
+    # no size (or another class): the class's one curve as before
+    assert node.rank_share("attention", 4) == pytest.approx(SPEED["attention"][3], rel=1e-3)
+
+
+@pytest.mark.floats
+def test_a_large_attention_call_is_priced_on_the_large_curve():
+    host = HardwareProfile.model_validate(fit_profile(_sized_measurements(), "synthetic"))
+    from csbp.runtime.calibration.rank_sharing import ATTENTION_LARGE_CALL, call_elements
+
+    head_dim = 64
+    elements = call_elements(ATTENTION_LARGE_CALL)
+    dense = 4.0 * head_dim * elements  # the graph's forward rectangle FLOPs (attention_ops)
+    work = Compute("attention-fwd", (dense / 2,), (0.0,), tile_len=(1024.0,), dense_flops=(dense,),
+                   head_dim=head_dim)
+    alone, four = compute_seconds(work, host.on_one_host(1))[0], compute_seconds(work, host.on_one_host(4))[0]
+    overhead = host.gpu.op_overhead_us * 1e-6
+    want = (alone - overhead) / LARGE[3] + overhead / SPEED["host"][3]
+    assert four == pytest.approx(want, rel=1e-3)  # the fitted curves' 4 significant digits

@@ -42,6 +42,14 @@ GEMM_SHAPE = (1024, 256, 768)  # tokens x hidden x ffn: an nn.Linear forward + b
 GEMM_FLOP = 3 * 2.0 * GEMM_SHAPE[0] * GEMM_SHAPE[1] * GEMM_SHAPE[2]  # forward + 2 backward GEMMs
 ELEMENTWISE_TOKENS = 1024
 ATTENTION_CALL = (512, 256)  # L, queries against all 2L keys, BD3-LM mask (spread queries)
+# ... and a call whose score matrix is 8 times larger (1024 queries x 2048 keys x 4 heads, fp32:
+# 32 MiB, past any core's caches; the suite's largest call is 2048 x 2048): how ranks share the
+# host depends on how much memory a call streams through (measured on the 2-core host: dp=2 at
+# L = 1024 ran its 2048 x 2048 attention 28-37 % slower than the small call's curve said).
+# Its own class in the measurement, `sized_classes` names what it measures at which size.
+ATTENTION_LARGE_CALL = (1024, 1024)
+SIZED = {"attention": ("attention", "attention-large")}  # class -> its measured classes, small to large
+LARGE_WINDOW = 2.0  # x the window: a large call takes ~0.35 s alone, ~1.4 s with four ranks busy
 WAKEUP_BYTES = 4096  # latency-bound: what is measured is the wake-up, not the wire
 
 
@@ -69,8 +77,8 @@ class Sharing:
 
 
 def class_steps() -> dict[str, tuple[Callable[[], object], bool]]:
-    """Per op class: (one call, run it cold: after `evict_caches`, as the calibration's alone
-    figures were)."""
+    """Per op class (and attention again at a larger call, `SIZED`): (one call, run it cold:
+    after `evict_caches`, as the calibration's alone figures were)."""
     from csbp.runtime.calibration.calibration_measurements import TINY_SEQ, tiny_spec
     from csbp.runtime.training.train import Job, Trainer
     from csbp.runtime.validation.validation_suite import BLOCK, VALIDATION_MODEL
@@ -86,11 +94,14 @@ def class_steps() -> dict[str, tuple[Callable[[], object], bool]]:
 
     L, queries = ATTENTION_CALL
     _, attention, _ = mb.bd3lm_call(VALIDATION_MODEL, L, BLOCK, queries, "spread")
+    L, queries = ATTENTION_LARGE_CALL
+    _, attention_large, _ = mb.bd3lm_call(VALIDATION_MODEL, L, BLOCK, queries, "spread")
     tiny = Workload(seq_len=TINY_SEQ, block_size=TINY_SEQ, dtype="fp32", zero_stage=0)
     trainer = Trainer(Job(tiny_spec(), tiny, Plan()), 0, torch.device("cpu"))
     return {"gemm": (linear, True),
             "memory": (mb.layer_elementwise_step(VALIDATION_MODEL, ELEMENTWISE_TOKENS), True),
             "attention": (attention, True),
+            "attention-large": (attention_large, True),
             "host": (lambda: trainer.step(0), False)}
 
 
@@ -148,7 +159,8 @@ def _speeds(rank: int, job: SharingJob) -> dict[int, dict[str, float]]:
             for name, (fn, cold) in steps.items():
                 dist.barrier()  # the busy ranks start the class together
                 if rank < busy:
-                    rate = calls_per_second(fn, cold, time.perf_counter() + job.seconds)
+                    window = job.seconds * (LARGE_WINDOW if name.endswith("-large") else 1.0)
+                    rate = calls_per_second(fn, cold, time.perf_counter() + window)
                     seen.setdefault(busy, {}).setdefault(name, []).append(rate)
     dist.barrier()
     return {busy: {name: statistics.median(rates) for name, rates in by.items()} for busy, by in seen.items()}
@@ -209,6 +221,16 @@ def measure_sharing(most: int, seconds: float = 1.0, repeats: int = 5,
     job = SharingJob("sharing", most, mb._free_port(), seconds=seconds, rounds=rounds, repeats=repeats,
                      pair_worlds=tuple(w for w in range(2, most + 1, 2)))
     results = mb._run_workers(job, timeout_s, target=_worker)
-    rates = {busy: {c: [results[r]["rates"][busy][c] for r in range(busy)] for c in OP_CLASSES}
+    measured = OP_CLASSES + tuple(c for classes in SIZED.values() for c in classes if c not in OP_CLASSES)
+    rates = {busy: {c: [results[r]["rates"][busy][c] for r in range(busy)] for c in measured}
              for busy in range(1, most + 1)}
     return Sharing(rates, results[0]["pair_calls"], max(r["baseline_rss_bytes"] for r in results))
+
+
+def call_elements(call: tuple[int, int]) -> float:
+    """Score-matrix elements of one measured attention call (queries x 2L keys x heads): the
+    size unit its sharing curve is kept at (`hardware.SIZE_UNITS`)."""
+    from csbp.runtime.validation.validation_suite import VALIDATION_MODEL
+
+    L, queries = call
+    return float(queries * 2 * L * VALIDATION_MODEL.layers[0].n_heads)

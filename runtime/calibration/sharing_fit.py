@@ -15,6 +15,8 @@ import statistics
 
 from csbp.runtime.calibration.calibration_measurements import TINY_SPEC_TEXT, Measurements
 from csbp.runtime.calibration.fit_figures import figure, rounded
+from csbp.runtime.calibration.rank_sharing import (ATTENTION_CALL, ATTENTION_LARGE_CALL, LARGE_WINDOW, SIZED,
+                                                   call_elements)
 
 WHAT = {
     "gemm": "nn.Linear(256, 768) forward + backward on 1024 tokens",
@@ -23,6 +25,7 @@ WHAT = {
     "attention": "the runtime's attention_with_lse forward + backward, 256 queries x 1024 keys "
                  "under the BD3-LM mask",
     "host": f"a whole runtime step at negligible arithmetic ({TINY_SPEC_TEXT}): host time",
+    "attention-large": "the same attention at 1024 queries x 2048 keys (a 32 MiB fp32 score matrix)",
 }
 
 
@@ -35,6 +38,17 @@ def rank_speed_curves(rank_rates: dict[int, dict[str, list[float]]]) -> dict[str
                 for ranks, rates in sorted(rank_rates.items())] for c in alone}
 
 
+HOST_CLASSES = ("gemm", "memory", "attention", "host")
+
+
+def sized_curves(curves: dict[str, list[list]]) -> dict[str, dict[float, list[list]]]:
+    """Per class measured at more than one call size (`rank_sharing.SIZED`), its curves keyed
+    by the call's size (`rank_sharing.call_elements`)."""
+    sizes = {"attention": call_elements(ATTENTION_CALL), "attention-large": call_elements(ATTENTION_LARGE_CALL)}
+    return {cls: {sizes[c]: curves[c] for c in measured}
+            for cls, measured in SIZED.items() if all(c in curves for c in measured)}
+
+
 def sharing_figures(m: Measurements) -> dict:
     """`rank_speed` and `rank_wakeup_us` in their YAML form (empty where not measured)."""
     out = {}
@@ -43,6 +57,8 @@ def sharing_figures(m: Measurements) -> dict:
         detail = "; ".join(f"{c} ({WHAT.get(c, c)}): " + ", ".join(
             f"{r} at once {sum(rates[c]):.1f}/s summed" for r, rates in sorted(m.rank_rates.items()))
             for c in curves)
+        sized = sized_curves(curves)
+        curves = {c: curve for c, curve in curves.items() if c in HOST_CLASSES}
         out["rank_speed"] = figure(curves, (
             f"measured: R processes (one thread each, as ranks) running one op class at once, "
             f"started together behind a gloo barrier, each calling it for a {m.rank_window_s:g} s "
@@ -50,6 +66,12 @@ def sharing_figures(m: Measurements) -> dict:
             "host), R = 1..4 forward then back in alternating rounds, each rank's median rate over "
             "the rounds: summed calls per second / R over one process alone, R = "
             f"{', '.join(map(str, sorted(m.rank_rates)))}; {detail}; under load {m.load}"))
+        if sized:
+            out["rank_speed_by_size"] = figure(sized, (
+                "measured as rank_speed, each class at two call sizes (attention: score-matrix "
+                "elements per call, queries x 2L keys x 4 heads: 256 x 1024 and 1024 x 2048, the "
+                f"larger with a {LARGE_WINDOW:g} x longer window); a call is read between them in "
+                "log size"))
     if m.pair_calls:
         from csbp.runtime.calibration.microbench import GAP_S
         from csbp.runtime.calibration.rank_sharing import WAKEUP_BYTES

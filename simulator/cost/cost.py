@@ -82,7 +82,21 @@ def host_share(work: Compute, profile: HardwareProfile) -> "HostShare | np.ndarr
         if dense and all(s is not None for s in dense):  # measured per visible / masked score
             busy = np.array(dense)
     overhead = np.full(len(flops), (gpu.op_overhead_us or 0.0) * US * work.kernels)
-    return HostShare(busy, overhead, HOST_OP_CLASS.get(work.kind, "gemm"), (flops > 0) | (nbytes > 0))
+    return HostShare(busy, overhead, HOST_OP_CLASS.get(work.kind, "gemm"), (flops > 0) | (nbytes > 0),
+                     call_size(work) if profile.node.rank_speed_by_size else None)
+
+
+def call_size(work: Compute) -> np.ndarray | None:
+    """Per rank, one call's size in the unit its class's sized sharing curves are read at
+    (`hardware.SIZE_UNITS`): attention's score-matrix elements, from the FLOPs of its whole
+    queries x keys rectangle (4 x head_dim per element forward, 2.5 times that backward:
+    `attention_ops.attention_work`). None for classes without sized curves."""
+    if work.kind not in ("attention-fwd", "attention-bwd") or not work.dense_flops or not work.head_dim:
+        return None
+    from csbp.simulator.cost.attention_ops import ATTENTION_BACKWARD_FLOP_RATIO
+
+    per_element = 4.0 * work.head_dim * (ATTENTION_BACKWARD_FLOP_RATIO if work.kind == "attention-bwd" else 1.0)
+    return np.asarray(work.dense_flops, dtype=float) / (per_element * max(work.kernels, 1))
 
 
 class HostShare:
@@ -92,19 +106,23 @@ class HostShare:
     host's rank count for a static price, or per rank the ranks busy while it runs
     (`engine/host_crowding.py`). On a GPU every share is 1 and `at` is busy + overhead."""
 
-    __slots__ = ("busy", "overhead", "op_class", "works")
+    __slots__ = ("busy", "overhead", "op_class", "works", "size")
 
-    def __init__(self, busy: np.ndarray, overhead: np.ndarray, op_class: str, works: np.ndarray) -> None:
+    def __init__(self, busy: np.ndarray, overhead: np.ndarray, op_class: str, works: np.ndarray,
+                 size: np.ndarray | None = None) -> None:
         self.busy, self.overhead, self.op_class, self.works = busy, overhead, op_class, works
+        self.size = size  # per rank, one call's size where the class has sized curves
 
     def at(self, node, ranks: float | np.ndarray) -> np.ndarray:
         """Seconds per rank with `ranks` ranks busy: one count for all, or one per rank."""
-        if np.ndim(ranks) == 0:
-            op_share, host_share = self._shares(node, ranks)
+        if np.ndim(ranks) == 0 and self.size is None:
+            op_share, host_share = self._shares(node, ranks, None)
         else:
-            read: dict[float, tuple[float, float]] = {}  # each distinct count's shares read once
-            pairs = [read[n] if n in read else read.setdefault(n, self._shares(node, n))
-                     for n in np.asarray(ranks, dtype=float).tolist()]
+            counts = np.broadcast_to(np.asarray(ranks, dtype=float), np.shape(self.busy)).tolist()
+            sizes = [None] * len(counts) if self.size is None else np.ravel(self.size).tolist()
+            read: dict[tuple, tuple[float, float]] = {}  # each distinct (count, size) read once
+            pairs = [read[key] if key in read else read.setdefault(key, self._shares(node, *key))
+                     for key in zip(counts, sizes)]
             op_share, host_share = (np.array(column) for column in zip(*pairs))
         if node.rank_speed is None:
             # host overhead is CPU time too: ranks sharing cores slow it down like arithmetic
@@ -113,11 +131,11 @@ class HostShare:
             shared = self.busy / op_share + self.overhead / host_share
         return np.where(self.works, shared, 0.0)
 
-    def _shares(self, node, ranks: float) -> tuple[float, float]:
+    def _shares(self, node, ranks: float, size: float | None) -> tuple[float, float]:
         if node.rank_speed is None:
             share = node.core_share(ranks)
             return share, share
-        return node.rank_share(self.op_class, ranks), node.rank_share("host", ranks)
+        return node.rank_share(self.op_class, ranks, size), node.rank_share("host", ranks)
 
 
 # which measured sharing curve (`Node.rank_speed`) prices each kind of compute on a shared host:

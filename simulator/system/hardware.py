@@ -262,6 +262,21 @@ _Speed = Annotated[float, Field(gt=0, strict=True)]
 RankCurve = Annotated[tuple[tuple[_Ranks, _Speed], ...], Field(min_length=1), AfterValidator(_increasing)]
 RankSpeed = Annotated[dict[HostOpClass, RankCurve] | None, FIGURE]
 RankWakeups = Annotated[dict[_Ranks, Annotated[float, Field(ge=0, strict=True)]] | None, FIGURE]
+# ... and the same curves measured at more than one call size for a class whose sharing depends
+# on how much memory its call touches: {class: {size: curve}}, size in the class's own unit
+# (`SIZE_UNITS`); at least two sizes
+RankSpeedBySize = Annotated[dict[HostOpClass, Annotated[dict[Annotated[float, Field(gt=0)], RankCurve],
+                                                        Field(min_length=2)]] | None, FIGURE]
+# what a call's size counts, per class that may have sized curves (the cost model reads the same)
+SIZE_UNITS = {"attention": "score-matrix elements per call (queries x keys x heads x batch)"}
+
+
+def _curve_share(curve, ranks: float) -> float:
+    """A measured rank curve read at `ranks` (`Node.rank_share`)."""
+    last_ranks, last_speed = curve[-1]
+    if ranks > last_ranks:
+        return last_speed * last_ranks / ranks
+    return interpolate(curve, ranks, log_x=False)
 
 
 MAX_GPUS_PER_NODE = 128  # an NVL72 rack as one node fits; the planner enumerates GPU counts
@@ -296,6 +311,10 @@ class Node(BaseModel):
     # host, by R (a call priced from a table measured with fewer ranks on the host adds the
     # difference: woken ranks wait behind the others for a core)
     rank_wakeup_us: RankWakeups = None
+    # CPU hosts, measured: a class's curves at two or more call sizes (attention: a call whose
+    # score matrix outgrows the caches shares the memory bus with the other ranks' calls, so it
+    # slows more than a small one); a call is read between them in log size (`rank_share`)
+    rank_speed_by_size: RankSpeedBySize = None
 
     def storage_share_gbs(self, readers: int) -> float | None:
         """GB/s one of `readers` ranks of this node reading at once gets (None: not given)."""
@@ -315,18 +334,21 @@ class Node(BaseModel):
             return 0.0
         return self.wakeup_latency_us
 
-    def rank_share(self, op_class: HostOpClass, ranks: int) -> float:
+    def rank_share(self, op_class: HostOpClass, ranks: float, size: float | None = None) -> float:
         """Fraction of its alone speed a rank gets on ops of `op_class` while `ranks` ranks are
         busy on this host: the measured curve where the profile has one for the class (read
         linearly between measured rank counts; beyond the last, the summed speed stays at its
-        last measured value and is split among more ranks [U]), else `core_share`."""
+        last measured value and is split among more ranks [U]), else `core_share`. With curves
+        at several call sizes for the class and the call's `size` (`SIZE_UNITS`), the share at
+        each measured size, read between them in log size and held at the ends (no trend
+        extrapolated past what was measured)."""
+        sized = (self.rank_speed_by_size or {}).get(op_class)
+        if sized and size is not None and size > 0:
+            return interpolate([(s, _curve_share(sized[s], ranks)) for s in sorted(sized)], size)
         curve = (self.rank_speed or {}).get(op_class)
         if curve is None:
             return self.core_share(ranks)
-        last_ranks, last_speed = curve[-1]
-        if ranks > last_ranks:
-            return last_speed * last_ranks / ranks
-        return interpolate(curve, ranks, log_x=False)
+        return _curve_share(curve, ranks)
 
     def crowd_wakeup_us(self, ranks: int, measured_with: int) -> float:
         """Extra latency of one collective call when `ranks` ranks share the host and its price
