@@ -77,3 +77,36 @@ def test_pairs_with_each_shard_count_the_mask(lay, window):
                 inside[s:e] = True
             assert each[j] == q.pairs_with(shard) == int(vis[:, inside].sum())
         assert q.total() == int(vis.sum()) == pairs.totals(lay, window)[r]
+
+
+def _alltoall_rows_span_by_span(lay: Layout, window: int) -> np.ndarray:
+    """The count before issue 25's arrays: each reader's needed spans less its own shard,
+    intersected with every member's shard."""
+    from csbp.simulator.layout.spans import normalize, subtract
+    rows = np.zeros((lay.size, lay.size), dtype=np.int64)
+    for g in lay.cp_groups():
+        for dst in g:
+            need = subtract(lay.needed_kv(dst, window), lay.shares[dst].owned_kv)
+            for src in g:
+                if src != dst:
+                    rows[dst, src] = sum(max(0, min(e, z) - max(s, a)) for s, e in need
+                                         for a, z in normalize(lay.shares[src].owned_kv))
+    return rows
+
+
+def test_windowed_alltoall_rows_equal_the_span_by_span_count():
+    """`kv_rows._group_rows` (every member of a group at once, issue 25) on layouts as the
+    planner meets them: blocks not dividing the tile, windows below, at and above the block,
+    schedules, and a drafter's anchor layout; exact integers."""
+    from csbp.simulator.workload.workload import Workload
+    cases = []
+    for cp, bp, schedule in ((2, 4, "dual-end"), (4, 16, "dual-end"), (8, 32, "contiguous"), (2, 8, "contiguous")):
+        for seq_len, block in ((16384, 256), (6400, 100)):
+            cases.append(Layout.build(Workload(seq_len=seq_len, block_size=block),
+                                      Plan(cp=cp, bp=bp, schedule=schedule)))
+    cases += [AnchorLayout(256, 8, Plan(cp=2, bp=4), "full", anchors=6),
+              AnchorLayout(256, 8, Plan(cp=4, bp=8), "full", anchors=10)]
+    for lay in cases:
+        for window in (1, 3, 50, 100, 256, 1024, 40000):
+            lay.derived.pop(("kv-rows-alltoall", window), None)
+            assert (kv_rows._alltoall_rows(lay, window) == _alltoall_rows_span_by_span(lay, window)).all()

@@ -174,6 +174,11 @@ def _alltoall_rows(layout: Layout, window: int) -> np.ndarray:
         starts = np.array([s for spans in owned for s, _ in spans], dtype=np.int64)
         stops = np.array([e for spans in owned for _, e in spans], dtype=np.int64)
         src = np.repeat(np.array(g), [len(spans) for spans in owned])
+        order = np.argsort(starts, kind="stable")
+        if (starts.size and (stops[order][:-1] <= starts[order][1:]).all()  # shards disjoint
+                and type(layout).needed_kv is Layout.needed_kv):  # the rule `_group_rows` follows
+            rows[np.ix_(g, g)] = _group_rows(layout, g, starts, stops, src, window)
+            continue
         for dst, mine in zip(g, owned):
             need = subtract(layout.needed_kv(dst, window), mine)
             if not need or not starts.size:
@@ -184,3 +189,59 @@ def _alltoall_rows(layout: Layout, window: int) -> np.ndarray:
             rows[dst, dst] = 0
     layout.derived[key] = rows
     return rows
+
+
+def _group_rows(layout: Layout, g: tuple[int, ...], starts: np.ndarray, stops: np.ndarray,
+                src: np.ndarray, window: int) -> np.ndarray:
+    """`_alltoall_rows` of one cp group whose owned shards are disjoint, every member at once:
+    the K/V spans each member's queries read (`Layout.needed_kv`'s per-block intervals, as
+    arrays, merged as `normalize` merges them), then per owned span of every member the rows of
+    it the reader needs, from the reader's prefix sums of needed rows. A member's own rows are
+    not sent (its diagonal is 0); since the shards are disjoint, its own shard never overlaps
+    another member's, so nothing else changes by not subtracting it first. Same integers as
+    the span-by-span count (tests/test_kv_rows.py)."""
+    L, b, W = layout.seq_len, layout.block, window
+    far = 4 * L  # past every position: member i's spans at i * far never touch member i + 1's
+    q = [(i, a, z) for i, r in enumerate(g) for a, z in layout.shares[r].positions]
+    m = len(g)
+    out = np.zeros((m, m), dtype=np.int64)
+    if not q or not starts.size:
+        return out
+    who, q0, q1 = np.array(q, dtype=np.int64).T
+    k0, k1 = q0 // b, (q1 - 1) // b
+    count = np.maximum(k1 - k0 + 1, 0)
+    span = np.repeat(np.arange(q0.size), count)
+    blk_start = (k0[span] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)) * b
+    a, z = np.maximum(q0[span], blk_start), np.minimum(q1[span], blk_start + b)
+    i0, first, last = blk_start % L, a % L, (z - 1) % L  # original positions
+    lo = np.maximum(0, first - W + 1)
+    hi = np.minimum(i0 + b, last + W)
+    noisy = a < L
+    # noisy queries: own noisy block + earlier clean blocks; clean: clean blocks up to their own
+    s1 = np.where(noisy, np.maximum(blk_start, a - (first - lo)), L + lo)
+    e1 = np.where(noisy, np.minimum(blk_start + b, z - 1 + (hi - last)), L + hi)
+    s2, e2 = (L + lo)[noisy], (L + i0)[noisy]
+    off = np.concatenate([who[span], who[span][noisy]]) * far
+    ns, ne = np.concatenate([s1, s2]) + off, np.concatenate([e1, e2]) + off
+    keep = ne > ns
+    ns, ne = ns[keep], ne[keep]
+    o = np.lexsort((ne, ns))
+    ns, ne = ns[o], ne[o]
+    reach = np.maximum.accumulate(ne)
+    new = np.concatenate([[True], ns[1:] > reach[:-1]])  # merged as `normalize` merges
+    first_i = np.flatnonzero(new)
+    seg_a, seg_z = ns[first_i], np.maximum.reduceat(ne, first_i)
+    before = np.concatenate([[0], np.cumsum(seg_z - seg_a)])
+
+    def needed_below(x: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(seg_a, x, side="right") - 1
+        kk = np.maximum(k, 0)
+        return np.where(k >= 0, before[kk] + np.maximum(np.minimum(x, seg_z[kk]) - seg_a[kk], 0), 0)
+
+    base = (np.arange(m, dtype=np.int64) * far)[:, None]  # [reader, owned span]
+    per_span = needed_below(base + stops[None, :]) - needed_below(base + starts[None, :])
+    index = {r: i for i, r in enumerate(g)}
+    member = np.array([index[int(r)] for r in src], dtype=np.int64)  # src rank -> member
+    np.add.at(out.T, member, per_span.T)
+    np.fill_diagonal(out, 0)
+    return out
