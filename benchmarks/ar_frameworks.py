@@ -14,10 +14,9 @@ HEADER = ("| implementation | context | plan | linears | step | tokens/s per GPU
 
 
 def row(impl: str, seq_len: str, plan: str, dtype: str) -> str:
-    ring = ["--transport", "ring"] if impl == "megatron-te" and "cp" in plan else []  # Megatron's p2p
     cmd = ["csbp", "simulate", "--model", "llama3.1-8b", "--objective", "ar", "--implementation", impl,
            "--hardware", "h100-96gb", "--nodes", "1", "--seq-len", seq_len, "--plan", plan,
-           "--linear-dtype", dtype, "--checkpointing", "full", "--json", *ring]
+           "--linear-dtype", dtype, "--checkpointing", "full", "--json"]  # each profile's default transport
     out = subprocess.run(cmd, capture_output=True, text=True)
     cells = f"| {impl} | {seq_len} | {plan} | {dtype} |"
     if out.returncode:

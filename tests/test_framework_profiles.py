@@ -327,3 +327,17 @@ def test_torchtitan_loss_buffers_are_what_cross_entropy_keeps_alive():
         backward = (mode.peak - base) / (rows * vocab)
     assert forward == pytest.approx(sum(TITAN.loss.logits_buffers), abs=1e-4)
     assert backward == pytest.approx(sum(TITAN.loss.backward_tile_bytes), abs=1e-4)
+
+
+@pytest.mark.parametrize("implementation, transport", [("megatron-te", "ring"), ("torchtitan", "collective"),
+                                                       ("turbo-dllm", "collective")])
+def test_a_plan_without_transport_runs_the_frameworks_default(implementation, transport):
+    """Megatron's cp_comm_type defaults to p2p (a ring), TorchTitan's rotate method to allgather
+    (frameworks.md A, B1): `csbp simulate` without --transport runs that; --transport wins."""
+    from csbp.simulator.commands.cli import build_parser
+    from csbp.simulator.commands.cli_args import plan_from_args
+
+    base = ["simulate", "--model", "llama3.1-8b", "--plan", "cp=8", "--implementation", implementation]
+    parser = build_parser(base)
+    assert plan_from_args(parser.parse_args(base)).transport == transport
+    assert plan_from_args(parser.parse_args(base + ["--transport", "collective"])).transport == "collective"

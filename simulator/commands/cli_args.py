@@ -127,7 +127,8 @@ def node_count(text: str) -> int:
 def add_plan_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
     p.add_argument("--plan", required=required, default=None,
                    help="degrees, e.g. dp=2,cp=8,bp=8 (axes dp, tp, ep, cp, bp)")
-    p.add_argument("--transport", default="collective", help="collective | ring")
+    p.add_argument("--transport", default=None,
+                   help="collective | ring (default: the implementation profile's, else collective)")
     p.add_argument("--schedule", default="dual-end", help="dual-end | contiguous")
     p.add_argument("--placement", default=None, help="axes innermost first, e.g. tp,ctx,ep,dp")
 
@@ -155,7 +156,13 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    options = {"transport": args.transport, "schedule": args.schedule}
+    transport = args.transport
+    if transport is None:  # the framework's own default (Megatron: p2p, a ring)
+        from csbp.simulator.system.implementation import load_implementation
+
+        name = getattr(args, "implementation", None)
+        transport = (load_implementation(name).transport if name else None) or "collective"
+    options = {"transport": transport, "schedule": args.schedule}
     if args.placement:
         options["placement"] = args.placement
     return parse_plan(args.plan or "", **options)

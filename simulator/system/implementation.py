@@ -431,6 +431,9 @@ class Implementation(BaseModel):
     # the encoder K/V rows it owns. Keeping every layer's gathered clean K/V alive for the
     # decoder instead is not modelled (no other value is accepted).
     encoder_kv: Annotated[Literal["regather"], FIGURE] = "regather"
+    # the K/V transport a plan of this framework runs when the user names none (`--transport`):
+    # Megatron's cp_comm_type defaults to p2p, a ring; None: collective (an all-gather)
+    transport: Annotated[Literal["collective", "ring"] | None, FIGURE] = None
     sources: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")
