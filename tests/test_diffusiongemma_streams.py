@@ -169,3 +169,27 @@ def test_under_pure_cp_each_stream_alone_is_unbalanced():
     # b = 64 (block-aligned chunks); only float rounding apart
     np.testing.assert_allclose(enc + dec, np.full(2, (enc + dec).mean()), rtol=ROUNDING)
     assert any("two streams under pure CP" in n for n in graph.notes)
+
+
+def test_each_streams_recomputed_layer_holds_its_own_rows():
+    """Memory follows the two streams: the encoder's recomputed layer holds the clean rows only
+    (the same on every pure-BP rank, each running the whole clean stream, though their noisy
+    rows differ), the decoder's the canvas rows (L / bp of them, fewer than the encoder's L)."""
+    from csbp.simulator.cost.memory import step_timeline
+
+    w = Workload(seq_len=9 * 1024, objective="diffusiongemma")  # 36 blocks: 10, 10, 8, 8 per rank
+    plan = Plan(bp=4)
+    lay = Layout.build(w, plan)
+    noisy = kv_rows.held(lay, "noisy")
+    tl = step_timeline(GEMMA, w, plan, lay, load_profile("h200"))
+    last = GEMMA.n_layers - 1
+
+    def layer_bytes(encoder: bool) -> np.ndarray:
+        k = next(k for k, m in enumerate(tl.moments) if m.phase == "recompute" and m.layer == last
+                 and m.op.startswith("encoder.") == encoder)
+        return np.array([tl.breakdown(k, r).get("layer", 0.0) for r in range(lay.size)])
+
+    enc, dec = layer_bytes(True), layer_bytes(False)
+    assert len(set(noisy.tolist())) > 1
+    assert len(set(enc.tolist())) == 1 and enc[0] > 0  # one code path on equal sizes: exact
+    assert np.all(dec < enc)

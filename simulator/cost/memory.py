@@ -12,7 +12,7 @@ its replicated clean prefix.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -23,7 +23,7 @@ from csbp.simulator.cost.linear_ops import resolve_linear_dtype
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.system.implementation import load_implementation
 from csbp.simulator.layout.layout import Layout, kv_row_bytes
-from csbp.simulator.layout.objective_layout import untrimmed
+from csbp.simulator.layout.objective_layout import stream_views, untrimmed
 from csbp.simulator.workload.objectives import objective_shape
 from csbp.simulator.plan.plan import Plan
 from csbp.simulator.report.result import GIB
@@ -306,7 +306,12 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
         shard = kv_rows.held(untrimmed(layout), "context") * batch
         context = context_bytes(model, kinds, held, dt, tp, keep_kv=not full_ckpt,
                                 feature_rows=shard, feature_copies=FEATURE_COPIES.get(obj.features, 1))
-    retained = encoder_retained(model, layout, batch, dt, tp, impl) if obj.retain_encoder_kv else None
+    retained = None
+    if obj.retain_encoder_kv:
+        retained = encoder_retained(model, layout, batch, dt, tp, impl)
+        if obj.streams == ("encoder", "decoder"):  # each stream's layers hold its own rows' buffers
+            retained = replace(retained, streams=tuple(
+                (view, stream_sizes(sizes, view, model, impl)) for view in stream_views(layout)))
     return memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
                                 zero, retained, loss_backward=loss_backward)
 
@@ -318,6 +323,14 @@ def route_index_bytes(model: ModelSpec, impl, rows, tp: int):
     if model.moe is None or not impl.moe.saved_route_index_bytes:
         return 0.0
     return rows * (model.moe.top_k * impl.moe.saved_route_index_bytes / tp)
+
+
+def stream_sizes(sizes: memory_timeline.Sizes, view: Layout, model: ModelSpec, impl) -> memory_timeline.Sizes:
+    """The sizes of one trained stream's rows (`objective_layout.stream_views`)."""
+    tokens = kv_rows.held(view, "positions") * sizes.batch
+    return replace(sizes, tokens=tokens, noisy=kv_rows.held(view, "noisy") * sizes.batch,
+                   hidden=tokens * model.hidden * sizes.dt / sizes.tp,
+                   routing=route_index_bytes(model, impl, tokens, sizes.tp))
 
 
 def encoder_retained(model: ModelSpec, layout: Layout, batch: int, dt: int,

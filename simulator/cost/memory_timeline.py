@@ -594,13 +594,17 @@ class RetainedEncoder:
     gradients accumulate over the whole decoder backward, and the encoder's own checkpoints wait
     for the encoder's backward, which comes last.
 
-    The walk keeps one pass over the rank's rows for the layers' own buffers (their transients
-    are those of the two streams' rows at once, an upper bound [U]); this adds what the two
-    streams keep beyond it, per rank."""
+    A recomputed layer's own buffers in the backward are those of its stream's rows (`streams`:
+    the decoder's canvas rows in the decoder's backward, the encoder's clean rows in the
+    encoder's), as the step graph runs them; the forward (without checkpointing) keeps one pass
+    over all the rank's rows, both streams' saved activations being alive together. This adds
+    what the two streams keep beyond the walk's layers, per rank."""
 
     kv: dict[AttentionSpec, np.ndarray]  # one layer's encoder K (and V) of the clean rows it owns
     clean_hidden: np.ndarray  # one encoder checkpoint: the clean rows' hidden state
     clean_routing: np.ndarray | float = 0.0  # one encoder layer's routing indices (MoE), kept with it
+    # ((encoder layout view, its Sizes), (decoder view, its Sizes)); empty: one pass's buffers
+    streams: tuple = ()
 
     def total(self, shape: "_Structure") -> np.ndarray | float:
         return _sum({a: shape.count[a] * v for a, v in self.kv.items()})
@@ -693,13 +697,28 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
     # (most gradients above)
     visits = sorted({(last[a], a) for a in kinds} | {(first[a], a) for a in kinds},
                     key=lambda x: -x[0])
-    recomputed = {a: [(op, rename(during, "layer"), extra) for op, during, extra in m.forward]
-                  for a, m in kinds.items()} if checkpointing else {}
-    # each kind's backward buffers, renamed once (a kind is visited at two layers)
-    backwards = {a: [(m.backward[0][0], rename(_merge(m.attn_saved, m.mlp_saved), layer_name),
-                      m.backward[0][2])]
-                 + [(op, rename(m.attn_saved if still is None else still, layer_name), extra)
-                    for op, still, extra in m.backward[1:]] for a, m in kinds.items()}
+    def layer_buffers(per_kind: dict) -> tuple[dict, dict]:
+        """Each kind's recompute and backward buffers, renamed once (a kind is visited at two
+        layers)."""
+        recomputed = {a: [(op, rename(during, "layer"), extra) for op, during, extra in m.forward]
+                      for a, m in per_kind.items()} if checkpointing else {}
+        backwards = {a: [(m.backward[0][0], rename(_merge(m.attn_saved, m.mlp_saved), layer_name),
+                          m.backward[0][2])]
+                     + [(op, rename(m.attn_saved if still is None else still, layer_name), extra)
+                        for op, still, extra in m.backward[1:]] for a, m in per_kind.items()}
+        return recomputed, backwards
+
+    recomputed, backwards = layer_buffers(kinds)
+    encoder_buffers = encoder_hidden = None
+    if retained is not None and retained.streams:  # each stream's backward on its own rows
+        (enc_layout, enc_sizes), (dec_layout, dec_sizes) = retained.streams
+        recomputed, backwards = layer_buffers(
+            {a: implementation_extras(model, dec_layout, a, dec_sizes,
+                                      layer_memory(model, dec_layout, a, dec_sizes, eager)) for a in shape.kinds})
+        encoder_buffers = layer_buffers(
+            {a: implementation_extras(model, enc_layout, a, enc_sizes,
+                                      layer_memory(model, enc_layout, a, enc_sizes, eager)) for a in shape.kinds})
+        encoder_hidden = enc_sizes.hidden
     for i, a in visits:
         grads = grads_after(i) + (weights.bucket if zero >= 2 else 0.0)
         below = stored_before(i)
@@ -719,12 +738,13 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
         grads = grads_total_layers + weights.head_grads + (weights.bucket if zero >= 2 else 0.0)
         total = retained.total(shape)
         here = {stored_name: n * retained.clean_hidden, "grads": grads, "kv": total, "dkv": total,
-                "transient": hid}
+                "transient": hid if encoder_hidden is None else encoder_hidden}
         if np.any(retained.clean_routing):
             here["routing"] = n * retained.clean_routing
-        for op, during, extra in recomputed.get(a, ()):
+        enc_recomputed, enc_backwards = encoder_buffers or (recomputed, backwards)
+        for op, during, extra in enc_recomputed.get(a, ()):
             tl.at(Moment("recompute", f"encoder.{op}", i), fixed, here, during, extra)
-        for op, layer, extra in backwards[a]:
+        for op, layer, extra in enc_backwards[a]:
             tl.at(Moment("backward", f"encoder.{op}", i), fixed, here, layer, extra)
     all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
     if zero >= 2:

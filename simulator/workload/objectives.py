@@ -211,8 +211,9 @@ def objective_shape(workload: Workload, model: ModelSpec, plan: Plan | None = No
             "diffusiongemma memory (implementation.md 12): every layer's encoder K/V stay alive "
             "until the decoder's backward and their gradients accumulate over all layers before "
             "the encoder's backward; both streams' checkpoints are alive through the decoder's "
-            "backward; pure BP runs the whole clean stream on every rank (clean compute, K/V and "
-            "their gradients not divided by BP)")})
+            "backward; a recomputed layer holds its own stream's rows (the decoder's canvas rows, "
+            "then the encoder's clean rows); pure BP runs the whole clean stream on every rank "
+            "(clean compute, K/V and their gradients not divided by BP)")})
     if obj == "dflash2":
         blk = workload.vocab_block
         shape = ObjectiveShape(**{**_BASE, "name": obj, "frozen_embeddings": True, "context_as_kv": True,
