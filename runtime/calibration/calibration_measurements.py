@@ -65,7 +65,7 @@ class Measurements:
     tiny_step: tuple[float, int] | None = None
     optimizer: tuple[int, float] | None = None  # (parameters, seconds of one AdamW step)
     step_load: dict[int, float] = field(default_factory=dict)  # processes -> step seconds each
-    probe: tuple[float, float] | None = None  # reference step seconds, start and end of the run
+    probe: tuple[float, ...] | None = None  # reference step seconds, before each stage and at the end
     score_copies: list[tuple[int, int, float]] = field(default_factory=list)  # (q, keys, copies)
     # ranks busy at once -> op class -> calls per second each rank got (`rank_sharing`)
     rank_rates: dict[int, dict[str, list[float]]] = field(default_factory=dict)
@@ -102,7 +102,15 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     torch.set_num_threads(threads)
     keep_freed_memory()  # the ranks' allocator regime (runtime/memory/allocator.py)
     identity = this_host()
-    probe_start = mb.probe_step_seconds()
+    # the reference probe before every stage and at the end, its median recorded: on a shared
+    # VM one probe at the start and one at the end read 204.7 and 152.8 ms in one calibration
+    probes: list[float] = []
+    announce = step
+
+    def step(label: str) -> None:  # noqa: F811 - every stage starts with a probe
+        probes.append(mb.probe_step_seconds())
+        announce(label)
+
     load_before = loadavg()
     spec = VALIDATION_MODEL
     a = spec.layers[0]
@@ -154,6 +162,6 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
         copy=copy, layer_elementwise=elementwise, op_overhead_s=overhead, gemm_load=gemm_load,
         collectives=collectives, linear=linear, dense_attention=dense,
         tiny_step=(tiny, step_kernels(tiny_spec(), TINY_SEQ)), optimizer=optimizer,
-        step_load=step_load, score_copies=score_copies, probe=(probe_start, mb.probe_step_seconds()),
+        step_load=step_load, score_copies=score_copies, probe=(*probes, mb.probe_step_seconds()),
         rank_rates=sharing.rates, pair_calls=sharing.pair_calls, rank_window_s=window,
         notes=["Quick calibration: fewer sizes and repeats."] if quick else [])

@@ -129,10 +129,10 @@ def _score_copies(m: Measurements) -> dict:
 def _probe(m: Measurements) -> dict:
     if m.probe is None:
         return {}
-    start, end = m.probe
-    return {"probe_step_s": figure(rounded((start + end) / 2), (
+    return {"probe_step_s": figure(rounded(statistics.median(m.probe)), (
         "measured: the validation model's one-process training step at L = 256, median of 8, "
-        f"{start * 1e3:.1f} ms as the calibration began and {end * 1e3:.1f} ms as it ended; "
+        f"timed before each stage of the calibration and at its end ({len(m.probe)} times: "
+        + ", ".join(f"{p * 1e3:.1f}" for p in m.probe) + " ms), the median of those; "
         "csbp validate re-times it to report the host's drift since"))}
 
 

@@ -45,7 +45,7 @@ def sized_curves(curves: dict[str, list[list]]) -> dict[str, dict[float, list[li
     """Per class measured at more than one call size (`rank_sharing.SIZED`), its curves keyed
     by the call's size (`rank_sharing.call_elements`)."""
     sizes = {"attention": call_elements(ATTENTION_CALL), "attention-large": call_elements(ATTENTION_LARGE_CALL)}
-    return {cls: {sizes[c]: curves[c] for c in measured}
+    return {cls: {sizes[c]: [list(point) for point in curves[c]] for c in measured}  # copies: no YAML aliases
             for cls, measured in SIZED.items() if all(c in curves for c in measured)}
 
 
