@@ -360,13 +360,21 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
             engine: str, des_top: int, keep: int | None, pool: Workers,
             baseline_only: bool = False, prune_placements: bool = True) -> Search:
     counts = {"floor": 0, "quick": 0, "tight": 0}
-    fitting = []
-    for cand in space.candidates:
+
+    misfits: set[int] = set()
+
+    def fits(cand: Candidate) -> bool:
         reason = memory_misfit(model, cand, profile)
         if reason:
             space.reject(cand.label, reason, rule=False)
-        else:
-            fitting.append(cand)
+            misfits.add(id(cand))
+        return not reason
+
+    # the baseline alone (`method_vs_implementation`) reads no memory rejection and no count:
+    # memory is then checked only for the candidates the screen takes up (`screen_pruned`), and
+    # `infeasible` holds only those found not to fit, `feasible` and `pruned` count the others
+    lazy = baseline_only and keep is not None
+    fitting = list(space.candidates) if lazy else [cand for cand in space.candidates if fits(cand)]
 
     def evaluate(cands: list[Candidate], eng: str) -> Iterator[tuple[Candidate, Result]]:
         for cand, result in zip(cands, simulate_all(model, cands, profile, nodes, eng, pool)):
@@ -381,7 +389,9 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
     else:
         screened, scored = screen_pruned(model, fitting, profile, engine, keep, des_top,
                                          lambda cands: evaluate(cands, "closed-form"), pool, counts,
-                                         baseline_only)
+                                         baseline_only, fits if lazy else None)
+        if lazy:  # those found not to fit were never candidates
+            fitting = [c for c in fitting if id(c) not in misfits]
     evaluations = scored
     ranked = [r for _, r in screened]
     picks: list[int] = []
@@ -419,8 +429,8 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
 
 def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareProfile, engine: str,
                   keep: int, des_top: int, evaluate, pool: Workers,
-                  counts: dict[str, int] | None = None,
-                  baseline_only: bool = False) -> tuple[list[tuple[Candidate, Result]], int]:
+                  counts: dict[str, int] | None = None, baseline_only: bool = False,
+                  fits=None) -> tuple[list[tuple[Candidate, Result]], int]:
     """(screened candidates with their closed-form results, best first; how many were simulated).
 
     What the reported ranking reads from the screen: the event engine's picks (the best
@@ -437,7 +447,11 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     candidate left matters, the rest are pruned. A cap only ever tightens and never falls below
     the candidate's tokens/s, so the ladder reports what the exhaustive screen does. Ties in
     rank_key keep the enumeration order, as the exhaustive sort does. `counts`: the bounds
-    computed per rung, added to. `baseline_only`: see `search`.
+    computed per rung, added to. `baseline_only`: see `search`. `fits` (candidate -> whether it
+    fits in memory): `fitting` is not yet checked, and a candidate is checked when the screen
+    first takes it up (or at once where it has no floor), those that do not fit dropped: the
+    screen then meets the fitting ones as it would have, since a candidate that does not fit
+    never scores and so never moves a group's bar.
     """
     # the quick bound is already the plan's own graph where no K/V moves (or where the profile
     # does not let keys stay home); and the tighter one pays only where a simulation is dear:
@@ -450,7 +464,9 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     # rung 0: every candidate's compute floor (it depends on neither transport nor checkpointing)
     floors: dict[tuple, dict[str, float] | None] = {}
     cap, quick = [], []  # quick[i]: the candidate's quick bound is in its cap
-    for cand, n in zip(fitting, tokens):
+    unchecked = [fits is not None] * len(fitting)  # memory not checked yet (`fits`)
+    dropped: set[int] = set()  # found not to fit
+    for i, (cand, n) in enumerate(zip(fitting, tokens)):
         key = (cand.plan.model_copy(update={"transport": "collective"}),
                cand.workload.model_copy(update={"checkpointing": "full"}))
         if key not in floors:
@@ -460,9 +476,13 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         floor = floors[key]
         cap.append(_cap(n, floor[cand.workload.checkpointing]) if floor else math.inf)
         quick.append(floor is None)
+        if floor is None and unchecked[i]:  # its quick bound comes at once: check it first
+            unchecked[i] = False
+            if not fits(cand):
+                dropped.add(i)
     # no floor (attention priced as dense math): the quick bound at once, over the workers
     keys = {i: bound_key(fitting[i].plan, fitting[i].workload, profile, keys_at_home=True)
-            for i in range(len(fitting)) if quick[i]}
+            for i in range(len(fitting)) if quick[i] and i not in dropped}
     unique = sorted(set(keys.values()), key=lambda k: (k[0].cp, k[0].bp, k[0].schedule, repr(k)))  # by ownership
     bounds = dict(zip(unique, pool.chunks(partial(_lower_bounds, model, profile), unique)))
     counts["quick"] = counts.get("quick", 0) + len(unique)
@@ -471,7 +491,8 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     # candidates in the same groups share their thresholds: one heap of caps per set of groups
     heaps: dict[tuple[str, ...], list[tuple[float, int]]] = {}
     for i, cand in enumerate(fitting):
-        heaps.setdefault(_groups(cand.plan, baseline_only), []).append((-cap[i], i))
+        if i not in dropped:
+            heaps.setdefault(_groups(cand.plan, baseline_only), []).append((-cap[i], i))
     for heap in heaps.values():
         heapq.heapify(heap)
     done: set[int] = set()
@@ -481,7 +502,7 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         """The candidate with the best cap known now among those that still matter."""
         found = None
         for groups, heap in heaps.items():
-            while heap and (heap[0][1] in done or -heap[0][0] != cap[heap[0][1]]):
+            while heap and (heap[0][1] in done or heap[0][1] in dropped or -heap[0][0] != cap[heap[0][1]]):
                 heapq.heappop(heap)  # simulated, or its cap has been tightened since
             if heap and -heap[0][0] >= min(floors.get(g, 0.0) for g in groups) * (1 - PRUNE_TOLERANCE):
                 if found is None or (-heap[0][0], -heap[0][1]) > (cap[found], -found):
@@ -494,6 +515,11 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         if i is None:
             return [(c, r) for _, c, r in scored], len(done)
         cand = fitting[i]
+        if unchecked[i]:  # taken up for the first time: does it fit at all?
+            unchecked[i] = False
+            if not fits(cand):
+                dropped.add(i)
+                continue
         if not quick[i] or not tight[i]:  # the next rung up: the quick bound, then the tight one
             at_home = not quick[i]
             if at_home:
