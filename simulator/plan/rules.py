@@ -142,15 +142,26 @@ def violation(model: ModelSpec, workload: Workload, plan: "Plan",
     from csbp.simulator.workload.objectives import as_executed
 
     layout = Layout.build(as_executed(workload, model), plan)
-    L = layout.seq_len
-    for share in layout.shares:
-        noisy = size(intersect(share.positions, ((0, L),)))
-        clean = share.n_positions - noisy
+    for rank, noisy, clean in _noisy_and_clean(layout):
         if noisy % tp or clean % tp:
-            return (f"tp={tp} does not divide context rank {share.rank}'s {noisy} noisy and "
+            return (f"tp={tp} does not divide context rank {rank}'s {noisy} noisy and "
                     f"{clean} clean positions (sequence parallelism splits each evenly): use a "
                     "block size and seq-len with more factors of 2")
     return None
+
+
+def _noisy_and_clean(layout) -> list[tuple[int, int, int]]:
+    """(rank, noisy positions, clean positions) of every share: once per layout ownership (the
+    planner asks for every candidate, and candidates differing in dp, tp or ep share it)."""
+    key = ("noisy-and-clean-positions",)
+    if key not in layout.derived:
+        L = layout.seq_len
+        out = []
+        for share in layout.shares:
+            noisy = size(intersect(share.positions, ((0, L),)))
+            out.append((share.rank, noisy, share.n_positions - noisy))
+        layout.derived[key] = out
+    return layout.derived[key]
 
 
 def check(model: ModelSpec, workload: Workload, plan: "Plan",
