@@ -29,8 +29,25 @@ ASSUMPTIONS = (
     "representative ranks: one context group is simulated; its DP/EP/TP peers are copies, and a "
     "group that spans nodes in any instance is priced on the slower link",
     "attention efficiency read at the mean keys per query of each attention call",
-    "loss as a fused linear-cross-entropy over the noisy tokens, chunked as Liger-Kernel does",
 )
+
+
+def loss_note(implementation: str) -> str:
+    """How the implementation's loss kernel runs (its profile's `loss` facts), in one line: the
+    note must follow the profile, not one framework's kernel."""
+    from csbp.simulator.system.implementation import load_implementation
+
+    impl = load_implementation(implementation)
+    loss = impl.loss
+    where = f"{impl.name}: loss over the objective's loss rows as "
+    if loss.kernel == "chunked-ce":
+        return where + "a fused LM head + cross-entropy chunked as Liger-Kernel does (gradients made with each chunk)"
+    if loss.kernel == "tiled-ce":
+        dtype = f"{8 * loss.logits_bytes}-bit" if loss.logits_bytes else "step-dtype"
+        return (where + f"a fused LM head + cross-entropy in tiles of {loss.tile_rows} rows with "
+                f"{dtype} logits" + (", the logits recomputed in backward" if loss.recompute_logits else ""))
+    return (where + "the LM head over every loss row, then cross-entropy over the whole [rows, V/tp] "
+            f"logits ({sum(loss.logits_buffers)} B per logit alive at it)")
 
 
 _GRAPHS: OrderedDict[tuple, tuple[ModelSpec, StepGraph]] = OrderedDict()
@@ -71,7 +88,7 @@ def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     graph = _step_graph(model, workload, plan, layout, profile.node.gpus_per_node, not overlap,
                         profile.implementation)
     memory = estimate_memory(model, workload, plan, layout, profile)
-    notes = list(ASSUMPTIONS) + list(graph.notes)
+    notes = list(ASSUMPTIONS) + [loss_note(profile.implementation)] + list(graph.notes)
     used = engine if memory.feasible else "closed-form"
     if not memory.feasible:
         notes.append("the plan does not fit: step time from the closed form, no tokens/s")
