@@ -13,7 +13,8 @@ Rows: dense (nemotron-diffusion-8b), MoE with sliding windows and self-condition
 (diffusiongemma-26b-a4b), hybrid linear attention (qwen3.5-27b), a drafter (dflash2-qwen3.8-27b),
 each at 256K with its preset's default objective, as `csbp plan` runs them. Each run is a fresh
 process (a cold start, as a fresh `csbp plan` has: no layout, split or price cached), with the
-modules it needs imported before the clock starts; min / median / max over `--repeat` runs. Per
+modules it needs imported before the clock starts; min / median / max over `--repeat` runs, and
+the median CPU-seconds (the forked baseline search's included: steadier on a shared host). Per
 row also: candidates, those that fit in memory, pruned, screened by the closed form, re-scored
 by the event engine, and the lower bounds computed by kind (floors, quick, tight) where the
 planner reports them. The load average is printed before, per row and after: other work on the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -74,6 +76,14 @@ def _flags(args: argparse.Namespace, model: str, gpus: int) -> dict:
     return flags
 
 
+def _cpu() -> float:
+    """CPU-seconds of this process and of its children that ended (the forked baseline search
+    and search workers): steadier than wall time on a shared host, where other work takes
+    turns on the same cores (it does not count the time waited for them)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def one_run(args: argparse.Namespace, model: str, gpus: int) -> dict:
     """One cold `csbp.plan` in this process, its modules imported first."""
     import csbp
@@ -82,11 +92,13 @@ def one_run(args: argparse.Namespace, model: str, gpus: int) -> dict:
     import csbp.simulator.planner.method_vs_implementation  # noqa: F401
 
     flags = _flags(args, model, gpus)
+    cpu0 = _cpu()
     start = time.perf_counter()
     planned = csbp.plan(**flags)
     wall = time.perf_counter() - start
+    cpu = _cpu() - cpu0
     found = planned.found
-    return {"plan_s": wall, "search_s": found.seconds, "candidates": found.candidates,
+    return {"plan_s": wall, "cpu_s": cpu, "search_s": found.seconds, "candidates": found.candidates,
             "feasible": found.feasible, "pruned": found.pruned, "screened": found.screened,
             "rescored": found.rescored, "bounds": getattr(found, "bounds", None),
             "recommended": found.recommended.label if hasattr(found.recommended, "label")
@@ -146,9 +158,10 @@ def main() -> None:
         return
     print(f"csbp.plan at {args.seq_len} on {args.hardware}, top {args.top}, {len(os.sched_getaffinity(0))} usable "
           f"cores, jobs {args.jobs or 'default'}, {args.repeat} fresh processes per row; load average before: {_load()}")
-    print("goal: the whole csbp.plan (median); 'search' is the main search alone (found.seconds)")
+    print("goal: the whole csbp.plan (median); 'cpu s': its median CPU-seconds, the forked baseline search "
+          "included; 'search' is the main search alone (found.seconds)")
     print(f"{'model':>24} {'GPUs':>5} {'cands':>6} {'fit':>5} {'pruned':>6} {'scrnd':>5} {'rescd':>5} "
-          f"{'bounds f/q/t':>13}  {'plan min/med/max s':>20}  {'search med s':>12}  goal")
+          f"{'bounds f/q/t':>13}  {'plan min/med/max s':>20}  {'cpu s':>6}  {'search med s':>12}  goal")
     for gpus in sizes:
         for model in models:
             runs, before = [], []
@@ -166,7 +179,7 @@ def main() -> None:
                 b = sorted(x["plan_s"] for x in before)
                 print(f"{'(before)':>24} {gpus:>5} {before[0]['candidates']:>6} {before[0]['feasible']:>5} "
                       f"{before[0]['pruned']:>6} {before[0]['screened']:>5} {before[0]['rescored']:>5} {'-':>13}  "
-                      f"{b[0]:6.2f} {statistics.median(b):6.2f} {b[-1]:6.2f}  "
+                      f"{b[0]:6.2f} {statistics.median(b):6.2f} {b[-1]:6.2f}  {_cpu_median(before):>6}  "
                       f"{statistics.median(x['search_s'] for x in before):12.2f}", flush=True)
             r = runs[0]
             plans = sorted(x["plan_s"] for x in runs)
@@ -177,10 +190,16 @@ def main() -> None:
             verdict = "-" if g is None else f"<= {g:g} s {'met' if med <= g else 'MISSED'}"
             print(f"{model:>24} {gpus:>5} {r['candidates']:>6} {r['feasible']:>5} {r['pruned']:>6} "
                   f"{r['screened']:>5} {r['rescored']:>5} {bounds:>13}  "
-                  f"{plans[0]:6.2f} {med:6.2f} {plans[-1]:6.2f}  "
+                  f"{plans[0]:6.2f} {med:6.2f} {plans[-1]:6.2f}  {_cpu_median(runs):>6}  "
                   f"{statistics.median(x['search_s'] for x in runs):12.2f}  {verdict}  "
                   f"(load {_load()}; {r['recommended']})", flush=True)
     print(f"load average after: {_load()}")
+
+
+def _cpu_median(runs: list[dict]) -> str:
+    """Median CPU-seconds of the runs ('-' for a csbp whose benchmark did not report them)."""
+    cpu = [x["cpu_s"] for x in runs if "cpu_s" in x]
+    return f"{statistics.median(cpu):6.2f}" if cpu else "-"
 
 
 def _env(path: str) -> dict:
