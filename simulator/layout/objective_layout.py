@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from csbp.simulator.errors import InputError
 from csbp.simulator.layout.layout import Layout, RankShare, assign_blocks, zigzag
 from csbp.simulator.layout.spans import Span, intersect, normalize, shift, subtract
@@ -63,16 +65,16 @@ def window_union(blocks, seq_len: int, block: int, window: int | None) -> tuple:
     `compact_dflash_target_context`); None: no window, nothing trimmed."""
     if window is None:
         return None
-    out: list[list[int]] = []
-    for k in sorted(blocks):  # windows of sorted blocks start in order: merge in one pass
-        if not k:
-            continue
-        lo, hi = seq_len + max(0, k * block - window + 1), seq_len + k * block
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return tuple((a, b) for a, b in out)
+    k = np.sort(np.fromiter(blocks, dtype=np.int64))
+    k = k[k != 0]
+    if not k.size:
+        return ()
+    # windows of sorted blocks start and end in order: one merges into the one before where it
+    # starts at or before that one's end (as arrays: a drafter has thousands of anchors)
+    lo, hi = seq_len + np.maximum(0, k * block - window + 1), seq_len + k * block
+    first = np.flatnonzero(np.concatenate([[True], lo[1:] > hi[:-1]]))
+    last = np.append(first[1:], k.size) - 1
+    return tuple(zip(lo[first].tolist(), hi[last].tolist()))
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,13 @@ class AnchorLayout(Layout):
         blocks = locality_anchor_blocks(L // b, self.anchors)
         every = window_union(blocks, L, b, W)
 
-        def drafts(ks) -> tuple:
-            return normalize(self._block_span(k) for k in ks)
+        def drafts(ks) -> tuple:  # the blocks' spans, neighbours merged (`normalize`), as arrays
+            k = np.unique(np.fromiter(ks, dtype=np.int64))
+            if not k.size:
+                return ()
+            first = np.flatnonzero(np.concatenate([[True], np.diff(k) > 1]))
+            last = np.append(first[1:], k.size) - 1
+            return tuple(zip((k[first] * b).tolist(), ((k[last] + 1) * b).tolist()))
 
         def trimmed(context, ks=None) -> tuple:
             if W is None:
