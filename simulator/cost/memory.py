@@ -308,10 +308,13 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
                                 feature_rows=shard, feature_copies=FEATURE_COPIES.get(obj.features, 1))
     retained = None
     if obj.retain_encoder_kv:
-        retained = encoder_retained(model, layout, batch, dt, tp, impl)
-        if obj.streams == ("encoder", "decoder"):  # each stream's layers hold its own rows' buffers
+        # the streams' views as the profile shards them (`stream_ownership`); the encoder's view
+        # holds the clean rows it owns (the same counts as the layout's under `shared-2l`)
+        views = stream_views(layout, impl.stream_ownership) if obj.streams == ("encoder", "decoder") else ()
+        retained = encoder_retained(model, views[0] if views else layout, batch, dt, tp, impl)
+        if views:  # each stream's layers hold its own rows' buffers
             retained = replace(retained, streams=tuple(
-                (view, stream_sizes(sizes, view, model, impl)) for view in stream_views(layout)))
+                (view, stream_sizes(sizes, view, model, impl)) for view in views))
     return memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
                                 zero, retained, loss_backward=loss_backward)
 

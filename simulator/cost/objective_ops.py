@@ -128,13 +128,22 @@ class ObjectiveOps:
         clean rows and the decoder over the canvas (`objective_layout.stream_views`), appending
         to this builder's ops with their stream's name. The decoder gathers the encoder's remote
         clean K/V again in its own layers (`encoder_kv: regather`, the profile's fact): its view
-        owns what the main layout owns, so its exchange moves them as the one pass did."""
+        owns its canvas rows and the clean rows the encoder made on its rank, so its exchange
+        moves them as the one pass did. Under pure CP the views keep the 2L zigzag's ownership or shard each stream
+        on its own, as the profile's `stream_ownership` says."""
         if self.obj.streams == ("main",):
             return [self]
         if self.obj.streams != ("encoder", "decoder") or self.impl.encoder_kv != "regather":
             raise ValueError(f"trained streams {self.obj.streams} with encoder_kv "
                              f"{self.impl.encoder_kv!r} are not modelled")
-        if self.lay.kind == "cp":
+        ownership = self.impl.stream_ownership
+        if self.lay.kind == "cp" and ownership == "per-stream":
+            self.notes.append(
+                "two streams under pure CP, each sharded on its own (the implementation's "
+                "`stream_ownership: per-stream`): rank r runs chunks r and 2cp-1-r of the noisy "
+                "stream's 2cp chunks and the same of the clean stream's, so each stream alone is "
+                "balanced (the 2L zigzag of implementation.md 1 balances only the two together)")
+        elif self.lay.kind == "cp":
             self.notes.append(
                 "two streams under pure CP: each stream runs on the rank's rows of the 2L two-chunk "
                 "zigzag (implementation.md 1), noisy chunk r and clean chunk 2cp-1-r, so each "
@@ -143,14 +152,16 @@ class ObjectiveOps:
                 "[U: whether the reference shards each stream on its own]")
         return [type(self)(self.m, self.w, self.p, view, self.gpn, self.ops, self.notes,
                            keys_at_home=self.keys_at_home, implementation=self.impl, prefix=f"{name}.")
-                for name, view in zip(self.obj.streams, stream_views(self.lay))]
+                for name, view in zip(self.obj.streams, stream_views(self.lay, ownership))]
 
     def canvas_pass(self, x: Deps) -> Deps:
         """Self-conditioning: the expected share of a gradient-free forward of the canvas tokens,
         their LM head and softmax, and the soft embedding they feed, appended as work scaled by
-        the pass's probability."""
+        the pass's probability. A two-stream objective's canvas is sharded as its trained
+        decoder's (the profile's `stream_ownership`)."""
         p = self.obj.canvas_passes
-        sub = type(self)(self.m, self.w, self.p, canvas_view(self.lay), self.gpn, self.ops, self.notes,
+        per_stream = self.obj.streams != ("main",) and self.impl.stream_ownership == "per-stream"
+        sub = type(self)(self.m, self.w, self.p, canvas_view(self.lay, per_stream), self.gpn, self.ops, self.notes,
                        keys_at_home=self.keys_at_home, implementation=self.impl)
         start = len(self.ops)
         for li, a in enumerate(self.m.layers):

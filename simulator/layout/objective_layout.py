@@ -8,7 +8,9 @@ K/V movement, pair counting and the step graph work unchanged on them:
 - `CanvasLayout` (diffusiongemma self-conditioning and its trained decoder stream): the same
   ownership as the main layout, with only the noisy (canvas) positions as queries.
 - `EncoderLayout` (diffusiongemma's encoder stream): the main layout's clean rows only, as
-  queries and owned K/V (`stream_views` gives both streams' views).
+  queries and owned K/V (`stream_views` gives both streams' views). Under pure CP both views
+  either keep the 2L zigzag's ownership or shard each stream on its own (the implementation
+  profile's `stream_ownership`).
 - `CausalLayout` (ar): one causal sequence held in the clean stream's coordinates at block 1.
 
 CausalLayout API (what the simulator prices and a runtime executes for objective ar):
@@ -157,43 +159,74 @@ def _whole_clean(layout: Layout, shares: tuple[RankShare, ...]) -> tuple[RankSha
                  for s in shares)
 
 
+def _per_stream(layout: Layout, shares: tuple[RankShare, ...]) -> tuple[RankShare, ...]:
+    """Pure CP's shares with each stream sharded on its own (`stream_ownership: per-stream`):
+    rank r holds chunks r and 2cp-1-r of the noisy stream's 2cp chunks and the same of the clean
+    stream's, as queries and owned K/V, so each stream alone is balanced (the 2L zigzag balances
+    only the two together). Chunk bounds at k L // 2cp: no row is dropped where 2cp does not
+    divide L. Other plan kinds unchanged: CSBP's clean shard is already the clean stream's own
+    zigzag and its noisy blocks are whole; DP and BP hold whole streams or blocks."""
+    if layout.plan.kind != "cp":
+        return shares
+    L, n = layout.seq_len, 2 * layout.plan.cp
+
+    def chunks(r: int, offset: int) -> list[Span]:
+        return [(offset + k * L // n, offset + (k + 1) * L // n) for k in (r, n - 1 - r)]
+
+    return tuple(replace(s, positions=normalize(chunks(s.rank, 0) + chunks(s.rank, L)),
+                         owned_kv=normalize(chunks(s.rank, 0) + chunks(s.rank, L))) for s in shares)
+
+
 @dataclass(frozen=True)
 class CanvasLayout(Layout):
-    """The main layout with only its noisy (canvas) positions as queries."""
+    """The main layout with only its noisy (canvas) positions as queries; `per_stream`: under
+    pure CP each stream zigzagged on its own (`_per_stream`) before the canvas is taken."""
+
+    per_stream: bool = False
 
     def _build_shares(self) -> tuple[RankShare, ...]:
         noisy = ((0, self.seq_len),)
-        return tuple(replace(s, positions=intersect(s.positions, noisy)) for s in super()._build_shares())
+        shares = super()._build_shares()
+        if self.per_stream:
+            shares = _per_stream(self, shares)
+        return tuple(replace(s, positions=intersect(s.positions, noisy)) for s in shares)
 
 
-def canvas_view(layout: Layout) -> CanvasLayout:
-    return CanvasLayout(layout.seq_len, layout.block, layout.plan, layout.checkpointing)
+def canvas_view(layout: Layout, per_stream: bool = False) -> CanvasLayout:
+    return CanvasLayout(layout.seq_len, layout.block, layout.plan, layout.checkpointing, per_stream=per_stream)
 
 
 @dataclass(frozen=True)
 class EncoderLayout(Layout):
     """DiffusionGemma's encoder stream (implementation.md section 12): the main layout's clean
     rows only, as queries and as owned K/V (the encoder makes no noisy K/V); `whole_clean`: the
-    main layout is `WholeCleanLayout` (pure BP, every rank the whole clean stream)."""
+    main layout is `WholeCleanLayout` (pure BP, every rank the whole clean stream); `per_stream`:
+    under pure CP the clean stream zigzagged on its own (`_per_stream`)."""
 
     whole_clean: bool = False
+    per_stream: bool = False
 
     def _build_shares(self) -> tuple[RankShare, ...]:
         shares = super()._build_shares()
         if self.whole_clean:
             shares = _whole_clean(self, shares)
+        if self.per_stream:
+            shares = _per_stream(self, shares)
         clean = ((self.seq_len, 2 * self.seq_len),)
         return tuple(replace(s, positions=intersect(s.positions, clean), owned_kv=intersect(s.owned_kv, clean))
                      for s in shares)
 
 
-def stream_views(layout: Layout) -> tuple[EncoderLayout, CanvasLayout]:
+def stream_views(layout: Layout, ownership: str = "shared-2l") -> tuple[EncoderLayout, CanvasLayout]:
     """(encoder, decoder) views of a two-stream objective's layout: the encoder over the clean
     rows, the decoder over the noisy canvas (`CanvasLayout`: noisy queries, the same owned K/V,
-    so its exchange fetches the clean K/V the encoder made)."""
+    so its exchange fetches the clean K/V the encoder made). `ownership`: the implementation
+    profile's `stream_ownership`; `per-stream` shards each stream on its own under pure CP
+    (both views the same clean rows, so the decoder still reads the K/V the encoder made)."""
+    per_stream = ownership == "per-stream"
     enc = EncoderLayout(layout.seq_len, layout.block, layout.plan, layout.checkpointing,
-                        whole_clean=isinstance(layout, WholeCleanLayout))
-    return enc, canvas_view(layout)
+                        whole_clean=isinstance(layout, WholeCleanLayout), per_stream=per_stream)
+    return enc, canvas_view(layout, per_stream)
 
 
 @dataclass(frozen=True)

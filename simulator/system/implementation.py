@@ -431,6 +431,14 @@ class Implementation(BaseModel):
     # the encoder K/V rows it owns. Keeping every layer's gathered clean K/V alive for the
     # decoder instead is not modelled (no other value is accepted).
     encoder_kv: Annotated[Literal["regather"], FIGURE] = "regather"
+    # a two-stream objective under pure CP: which positions each stream runs on a rank.
+    # `shared-2l`: both streams keep the 2L two-chunk zigzag (implementation.md 1: noisy chunk r,
+    # clean chunk 2cp-1-r), balanced only when the streams run in one pass, so each stream alone
+    # is unbalanced and every layer's K/V collective waits for its slowest rank. `per-stream`:
+    # each stream's own L positions zigzagged over the CP group (rank r: chunks r and 2cp-1-r of
+    # that stream's 2cp), each stream balanced on its own. CSBP, BP and DP are the same either way
+    # (CSBP's clean shard is already the clean stream's own zigzag, its noisy blocks whole).
+    stream_ownership: Annotated[Literal["shared-2l", "per-stream"], FIGURE] = "shared-2l"
     # the K/V transport a plan of this framework runs when the user names none (`--transport`):
     # Megatron's cp_comm_type defaults to p2p, a ring; None: collective (an all-gather)
     transport: Annotated[Literal["collective", "ring"] | None, FIGURE] = None
