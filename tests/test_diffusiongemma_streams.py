@@ -154,8 +154,9 @@ def test_pure_bp_diffusiongemma_simulates_with_two_streams():
 
 
 def test_under_pure_cp_each_stream_alone_is_unbalanced():
-    """The 2L two-chunk zigzag balances a rank's noisy and clean chunks together (implementation.md
-    1); run one stream after the other, the encoder's heaviest chunk (the last clean one, rank 0)
+    """The 2L two-chunk zigzag (the default profile turbo-dllm's `stream_ownership: shared-2l`;
+    `ideal` shards each stream on its own: tests/test_stream_ownership.py) balances a rank's noisy
+    and clean chunks together (implementation.md 1); run one stream after the other, the encoder's heaviest chunk (the last clean one, rank 0)
     and the decoder's (the last noisy one, rank cp-1) sit on different ranks."""
     graph, _ = build(TINY, Plan(cp=2), self_conditioning=0.0)
 
