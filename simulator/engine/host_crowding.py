@@ -106,10 +106,14 @@ def fastest(profile: HardwareProfile) -> HardwareProfile:
         return hit[1]
     ranks = node.gpus_per_node
     best = {}
+    sized = node.rank_speed_by_size or {}
     for op_class, curve in node.rank_speed.items():
-        top = max([y for x, y in curve if x <= ranks] + [node.rank_share(op_class, ranks)])
+        curves = [curve, *sized.get(op_class, {}).values()]  # every call size's curve too
+        top = max([y for c in curves for x, y in c if x <= ranks] +
+                  [node.rank_share(op_class, ranks, size) for size in [None, *sized.get(op_class, {})]])
         best[op_class] = [[1, top], [ranks, top]]  # flat: read as `top` at every count up to ranks
-    out = profile.model_copy(update={"node": node.model_copy(update={"rank_speed": best})})
+    out = profile.model_copy(update={"node": node.model_copy(update={"rank_speed": best,
+                                                                     "rank_speed_by_size": None})})
     if len(_FASTEST) > 16:
         _FASTEST.clear()
     _FASTEST[id(profile)] = (profile, out)
