@@ -201,7 +201,49 @@ def _sides_at_once(items: list[tuple[int, np.ndarray, np.ndarray]], noisy: bool,
                                        minlength=len(items)).astype(np.int64))
 
 
-class _SpanTiles:
+class _KeyCounts:
+    """What `_KeyTiles` and `_SpanTiles` share: keys of the call below a position from its
+    spans (`starts`, `stops`, `before`), and tiles touched or wholly the call's within an
+    interval from how many tiles below an index hold any (`any_below`) or all (`all_below`)
+    of their keys: the two differ only in how they keep those tile counts."""
+
+    tile: int
+    starts: np.ndarray
+    stops: np.ndarray
+    before: np.ndarray
+
+    def any_below(self, k: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def all_below(self, k: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def below(self, x: np.ndarray) -> np.ndarray:
+        """Keys of the call at positions < x."""
+        i = np.searchsorted(self.starts, x, side="right")  # spans starting below x
+        inside = np.where(i > 0, np.minimum(x, self.stops[np.maximum(i - 1, 0)]) - self.starts[np.maximum(i - 1, 0)], 0)
+        return self.before[np.maximum(i - 1, 0)] * (i > 0) + np.maximum(inside, 0)
+
+    def touched(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Tiles holding at least one key of the call in [a, z), per interval."""
+        t = self.tile
+        ok = z > a
+        a, z = np.where(ok, a, 0), np.where(ok, z, 1)
+        t0, t1 = a // t, (z - 1) // t
+        one = t0 == t1
+        head = (self.below(np.minimum(z, (t0 + 1) * t)) - self.below(a)) > 0
+        tail = (self.below(z) - self.below(np.maximum(a, t1 * t))) > 0
+        inner = np.where(t1 > t0 + 1, self.any_below(np.maximum(t1, t0 + 1)) - self.any_below(t0 + 1), 0)
+        return np.where(ok, np.where(one, head, head.astype(int) + tail + inner), 0)
+
+    def full(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Tiles lying wholly inside [a, z) whose keys all belong to the call."""
+        t = self.tile
+        lo, hi = -(-a // t), z // t
+        return np.where(hi > lo, self.all_below(np.clip(hi, 0, None)) - self.all_below(lo), 0)
+
+
+class _SpanTiles(_KeyCounts):
     """`_KeyTiles`' counts from the key spans alone, without an array over every tile: the
     tiles holding any key are the spans' tile ranges [s // t, ceil(e / t)) merged (neighbouring
     spans may share a tile), those holding only keys of the call the ranges [ceil(s / t), e // t)
@@ -221,29 +263,11 @@ class _SpanTiles:
         keep = f1 > f0
         self.all = _Runs(f0[keep], f1[keep])
 
-    def below(self, x: np.ndarray) -> np.ndarray:
-        """Keys of the call at positions < x."""
-        i = np.searchsorted(self.starts, x, side="right")
-        inside = np.where(i > 0, np.minimum(x, self.stops[np.maximum(i - 1, 0)]) - self.starts[np.maximum(i - 1, 0)], 0)
-        return self.before[np.maximum(i - 1, 0)] * (i > 0) + np.maximum(inside, 0)
+    def any_below(self, k: np.ndarray) -> np.ndarray:
+        return self.any.below(k)
 
-    def touched(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
-        """Tiles holding at least one key of the call in [a, z), per interval (`_KeyTiles`)."""
-        t = self.tile
-        ok = z > a
-        a, z = np.where(ok, a, 0), np.where(ok, z, 1)
-        t0, t1 = a // t, (z - 1) // t
-        one = t0 == t1
-        head = (self.below(np.minimum(z, (t0 + 1) * t)) - self.below(a)) > 0
-        tail = (self.below(z) - self.below(np.maximum(a, t1 * t))) > 0
-        inner = np.where(t1 > t0 + 1, self.any.below(np.maximum(t1, t0 + 1)) - self.any.below(t0 + 1), 0)
-        return np.where(ok, np.where(one, head, head.astype(int) + tail + inner), 0)
-
-    def full(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
-        """Tiles lying wholly inside [a, z) whose keys all belong to the call (`_KeyTiles`)."""
-        t = self.tile
-        lo, hi = -(-a // t), z // t
-        return np.where(hi > lo, self.all.below(np.clip(hi, 0, None)) - self.all.below(np.clip(lo, 0, None)), 0)
+    def all_below(self, k: np.ndarray) -> np.ndarray:
+        return self.all.below(np.clip(k, 0, None))
 
 
 class _Runs:
@@ -425,7 +449,7 @@ def tiles_aligned(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: in
         all(a % k_tile == 0 and z % k_tile == 0 for a, z in keys)
 
 
-class _KeyTiles:
+class _KeyTiles(_KeyCounts):
     """Prefix sums over the key tiles of one call: how many of its keys lie below a position,
     and how many tiles below a tile index hold any / all of their keys."""
 
@@ -440,26 +464,8 @@ class _KeyTiles:
         self.any = np.concatenate([[0], np.cumsum(per_tile > 0)])
         self.all = np.concatenate([[0], np.cumsum(per_tile == np.minimum(tile, length - edges[:-1]))])
 
-    def below(self, x: np.ndarray) -> np.ndarray:
-        """Keys of the call at positions < x."""
-        i = np.searchsorted(self.starts, x, side="right")  # spans starting below x
-        inside = np.where(i > 0, np.minimum(x, self.stops[np.maximum(i - 1, 0)]) - self.starts[np.maximum(i - 1, 0)], 0)
-        return self.before[np.maximum(i - 1, 0)] * (i > 0) + np.maximum(inside, 0)
+    def any_below(self, k: np.ndarray) -> np.ndarray:
+        return self.any[k]
 
-    def touched(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
-        """Tiles holding at least one key of the call in [a, z), per interval."""
-        t = self.tile
-        ok = z > a
-        a, z = np.where(ok, a, 0), np.where(ok, z, 1)
-        t0, t1 = a // t, (z - 1) // t
-        one = t0 == t1
-        head = (self.below(np.minimum(z, (t0 + 1) * t)) - self.below(a)) > 0
-        tail = (self.below(z) - self.below(np.maximum(a, t1 * t))) > 0
-        inner = np.where(t1 > t0 + 1, self.any[np.maximum(t1, t0 + 1)] - self.any[t0 + 1], 0)
-        return np.where(ok, np.where(one, head, head.astype(int) + tail + inner), 0)
-
-    def full(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
-        """Tiles lying wholly inside [a, z) whose keys all belong to the call."""
-        t = self.tile
-        lo, hi = -(-a // t), z // t
-        return np.where(hi > lo, self.all[np.clip(hi, 0, None)] - self.all[np.clip(lo, 0, len(self.all) - 1)], 0)
+    def all_below(self, k: np.ndarray) -> np.ndarray:
+        return self.all[np.clip(k, 0, len(self.all) - 1)]
