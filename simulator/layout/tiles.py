@@ -166,9 +166,7 @@ def _sides_at_once(items: list[tuple[int, np.ndarray, np.ndarray]], noisy: bool,
     first_i = base[tile_call] + (np.arange(int(m.sum()), dtype=np.int64)
                                  - np.repeat(np.cumsum(m) - m, m)) * q_rows
     last_i = np.minimum(first_i + q_rows, (base + n)[tile_call]) - 1
-    both = np.concatenate([first_i, last_i])
-    k = np.searchsorted(cum, both, side="right") - 1
-    both = starts[k] + (both - cum[k])  # buffer index -> query position
+    both = _positions(starts, cum, np.concatenate([first_i, last_i]))
     t = first_i.size
     first, last = both[:t], both[t:]
     ok = None
@@ -199,6 +197,13 @@ def _sides_at_once(items: list[tuple[int, np.ndarray, np.ndarray]], noisy: bool,
     np.add.at(full, which, np.bincount(np.concatenate([tile_call, tile_call]),
                                        weights=counter.full(every_a, every_z),
                                        minlength=len(items)).astype(np.int64))
+
+
+def _positions(starts: np.ndarray, cum: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Query positions of buffer indices: rows of the spans laid end to end, `cum` the buffer
+    index of each span's start."""
+    k = np.searchsorted(cum, index, side="right") - 1
+    return starts[k] + (index - cum[k])
 
 
 class _KeyCounts:
@@ -323,9 +328,7 @@ def _side(starts: np.ndarray, stops: np.ndarray, noisy: bool, counter, seq_len: 
     n = int(cum[-1])
     first_i = np.arange(0, n, q_rows, dtype=np.int64)
     last_i = np.minimum(first_i + q_rows, n) - 1
-    both = np.concatenate([first_i, last_i])
-    k = np.searchsorted(cum, both, side="right") - 1
-    both = starts[k] + (both - cum[k])  # buffer index -> query position
+    both = _positions(starts, cum, np.concatenate([first_i, last_i]))
     m = first_i.size
     first, last = both[:m], both[m:]
     ok = None
