@@ -18,22 +18,18 @@ from csbp.simulator.workload.spec import AttentionSpec, ModelSpec
 from csbp.simulator.workload.workload import Workload
 
 
-class _Graph:
-    ranks = 2
-
-
 def test_busy_ranks_is_the_mean_count_over_each_interval():
     # rank 0 computes [0, 2); rank 1 computes [0, 1) then waits: over rank 0's op 1.5 ranks are
     # busy on average, over rank 1's op 2; an op of rank 0 over [1, 2) alone would see 1
     start = np.array([[0.0, 0.0], [1.0, 1.0]])
     finish = np.array([[2.0, 1.0], [2.0, 1.0]])
     busy = np.array([[True, True], [False, False]])
-    got = busy_ranks(_Graph(), start, finish, busy, copies=1)
+    got = busy_ranks(start, finish, busy, copies=1)
     assert got[0, 0] == pytest.approx(1.5, rel=1e-12)  # (2 x 1 s + 1 x 1 s) / 2 s
     assert got[0, 1] == pytest.approx(2.0, rel=1e-12)
     assert got[1, 0] == pytest.approx(1.0, rel=1e-12)
     # each representative rank stands for its copies (DP peers busy at the same times)
-    assert busy_ranks(_Graph(), start, finish, busy, copies=2)[0, 0] == pytest.approx(3.0, rel=1e-12)
+    assert busy_ranks(start, finish, busy, copies=2)[0, 0] == pytest.approx(3.0, rel=1e-12)
 
 
 # A host where a second busy rank halves each one's speed: crowding is large and easy to see

@@ -41,8 +41,7 @@ def applies(profile: HardwareProfile, copies: int | None) -> bool:
     return copies is not None and bool(profile.node.rank_speed) and profile.node.gpus_per_node > 1
 
 
-def busy_ranks(graph: StepGraph, start: np.ndarray, finish: np.ndarray, busy: np.ndarray,
-               copies: int) -> np.ndarray:
+def busy_ranks(start: np.ndarray, finish: np.ndarray, busy: np.ndarray, copies: int) -> np.ndarray:
     """[op, rank]: the mean number of the host's ranks busy over each op's interval (the op's own
     rank included). `busy` [op, rank] marks the intervals that keep a rank busy."""
     s, f = start[busy], finish[busy]
@@ -71,8 +70,7 @@ def crowded(graph: StepGraph, profile: HardwareProfile, d: np.ndarray, copies: i
     rank that speeds up can make another wait longer, which can swing a count back and forth)."""
     works, which = graph.works()
     shares = [None if isinstance(w, Comm) else host_share(w, profile) for w in works]
-    priced = [isinstance(shares[w], HostShare) for w in which.tolist()]
-    repriced = np.array([i for i, p in enumerate(priced) if p], dtype=np.intp)
+    repriced = [i for i, w in enumerate(which.tolist()) if isinstance(shares[w], HostShare)]
     keeps_busy = d > 0
     if overlap:  # transfers on their own stream: the rank's compute stream says whether it is busy
         keeps_busy &= np.array([not isinstance(works[w], Comm) for w in which.tolist()])[:, None]
@@ -82,9 +80,9 @@ def crowded(graph: StepGraph, profile: HardwareProfile, d: np.ndarray, copies: i
     start, finish = run(d)
     step = float(finish.max()) if finish.size else 0.0
     for _ in range(MAX_ROUNDS):
-        counts = (counts + busy_ranks(graph, start, finish, keeps_busy, copies)) / 2
+        counts = (counts + busy_ranks(start, finish, keeps_busy, copies)) / 2
         d = d.copy()
-        for i in repriced.tolist():
+        for i in repriced:
             d[i] = shares[which[i]].at(profile.node, counts[i])
         start, finish = run(d)
         now = float(finish.max()) if finish.size else 0.0
