@@ -79,7 +79,8 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     transfers of a rank also run one after another on their own stream (the event engine);
     otherwise each runs as soon as it can (the closed form). Without overlap a rank has one
     stream for both. Maxima and one addition per op: the same floating-point operations, in the
-    same order, as an event queue processing the same streams.
+    same order, as an event queue processing the same streams. The walk reads the graph's
+    `steps` (made once per graph and engine), not its ops.
     """
     n = graph.ranks
     zero = np.zeros(n)
@@ -87,30 +88,41 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     start: list = [None] * len(graph.ops)
     finish: list = [None] * len(graph.ops)
     compute_free = comm_free = comm_until = zero
-    io = io_ops(graph)  # op -> its io stream; each stream's ops run one after another
-    io_free = dict.fromkeys(io.values(), zero)
-    per_work = program(graph)
+    io_free = {}
     if stretch is not None and (not overlap or not (stretch > 1).any()):
         stretch = None
-    _, which = graph.works()
-    chains = chained_ops(graph, transfers=not queue_comm) if overlap else {}
-    for op, w, took in zip(graph.ops, which.tolist(), d):
-        i = op.index
-        if finish[i] is not None:  # timed with its chain
-            continue
-        deps = op.deps
-        comm, sync, peer = per_work[w]
+    for i, deps, kind, sync, peer, chain in steps(graph, overlap, queue_comm):
+        took = d[i]
         if deps:
             ready = finish[deps[0]]
             for j in deps[1:]:
                 ready = maximum(ready, finish[j])
         else:
             ready = zero
-        if overlap and i in io:  # the host/storage path: its own stream, waited on by nobody (`Op.stream`)
-            start[i] = maximum(io_free[io[i]], ready)
-            finish[i] = io_free[io[i]] = start[i] + took
-            continue
-        if comm:
+        if kind is _COMPUTE:
+            begin = compute_free if ready is compute_free else maximum(compute_free, ready)
+            if chain is None:
+                if stretch is not None and (comm_until > begin).any():
+                    end = compute_free = _stretched(begin, took, comm_until, stretch[i])
+                else:
+                    end = compute_free = begin + took
+            elif stretch is not None and (comm_until > begin).any():
+                rest = chain[:0]  # op by op: each one's part beside the transfers runs slower ...
+                for k, j in enumerate(chain.tolist()):
+                    start[j] = begin
+                    begin = finish[j] = _stretched(begin, d[j], comm_until, stretch[j])
+                    if not (comm_until > begin).any():  # ... until they have ended on every rank
+                        rest = chain[k + 1:]
+                        break
+                if rest.size:  # then back to back: `_stretched` with no window is begin + took
+                    compute_free = _back_to_back(rest, begin, d, start, finish)
+                else:
+                    compute_free = begin
+                continue
+            else:  # it and the compute ops that each wait only for the one before, back to back
+                compute_free = _back_to_back(chain, begin, d, start, finish)
+                continue
+        elif kind is _COMM:
             if not overlap:
                 begin = maximum(compute_free, ready)
             elif queue_comm:
@@ -128,32 +140,44 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
                 comm_free = end
             if stretch is not None:
                 comm_until = maximum(comm_until, end)
-        else:
-            begin = compute_free if ready is compute_free else maximum(compute_free, ready)
-            chain = chains.get(i)
-            beside = stretch is not None and bool((comm_until > begin).any())
-            if chain is None:
-                end = compute_free = _stretched(begin, took, comm_until, stretch[i]) if beside else begin + took
-            elif beside:  # op by op: each one's part beside the transfers runs slower ...
-                rest = chain[:0]
-                for k, j in enumerate(chain.tolist()):
-                    start[j] = begin
-                    begin = finish[j] = _stretched(begin, d[j], comm_until, stretch[j])
-                    if not (comm_until > begin).any():  # ... until they have ended on every rank
-                        rest = chain[k + 1:]
-                        break
-                if rest.size:  # then back to back: `_stretched` with no window is begin + took
-                    compute_free = _back_to_back(rest, begin, d, start, finish)
-                else:
-                    compute_free = begin
-                continue
-            else:  # it and the compute ops that each wait only for the one before, back to back
-                compute_free = _back_to_back(chain, begin, d, start, finish)
-                continue
+        else:  # the host/storage path: its own stream, waited on by nobody (`Op.stream`)
+            begin = maximum(io_free.get(kind, zero), ready)
+            end = io_free[kind] = begin + took
         start[i] = begin
         finish[i] = end
     shape = d.shape
     return np.array(start).reshape(shape), np.array(finish).reshape(shape)
+
+
+_COMPUTE, _COMM = "compute", "comm"
+
+
+def steps(graph: StepGraph, overlap: bool, queue_comm: bool) -> list[tuple]:
+    """What `run` walks, per op in program order that is not timed with a chain before it:
+    (op, its inputs, its kind: "compute", "comm" or an io stream's name, the rank sets it waits
+    with or None, p2p senders or None, the chain it starts (`chained_ops`) or None). Made once
+    per graph and engine: the walk then reads no op, work or dict."""
+    key = ("steps", overlap, queue_comm)
+    if key not in graph._arrays:
+        per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
+        chains = chained_ops(graph, transfers=not queue_comm) if overlap else {}
+        timed = set()  # ops a chain times
+        for chain in chains.values():
+            timed.update(chain[1:].tolist())
+        out = []
+        for op, w, on in zip(graph.ops, which.tolist(), stream):
+            i = op.index
+            if i in timed:
+                continue
+            comm, sync, peer = per_work[w]
+            if overlap and on in IO_STREAMS:
+                out.append((i, op.deps, on, None, None, None))
+            elif comm:
+                out.append((i, op.deps, _COMM, sync, peer, None))
+            else:
+                out.append((i, op.deps, _COMPUTE, None, None, chains.get(i)))
+        graph._arrays[key] = out
+    return graph._arrays[key]
 
 
 IO_STREAMS = ("io", "h2d")
@@ -175,12 +199,12 @@ def io_ops(graph: StepGraph) -> dict[int, str]:
 
 
 def _back_to_back(chain: np.ndarray, begin: np.ndarray, d: np.ndarray, start: list, finish: list) -> np.ndarray:
-    """Times of ops that run one after another from `begin` (np.cumsum adds in the same order as
-    op after op); returns when the last one ends."""
-    times = np.cumsum(np.concatenate([begin[None], d[chain]]), axis=0)
-    for k, j in enumerate(chain.tolist()):
-        start[j], finish[j] = times[k], times[k + 1]
-    return times[-1]
+    """Times of ops that run one after another from `begin`, op after op (one addition each);
+    returns when the last one ends."""
+    for j in chain.tolist():
+        start[j] = begin
+        begin = finish[j] = begin + d[j]
+    return begin
 
 
 def _stretched(begin: np.ndarray, took: np.ndarray, until: np.ndarray, factor: float) -> np.ndarray:
