@@ -435,5 +435,8 @@ def clear_caches() -> None:
         cached.cache_clear()
     for clear in ALSO_CLEARED:
         clear()
+    from csbp.simulator.plan import rules  # its checked plans
+
+    rules._VIOLATIONS.clear()
 
 

@@ -81,6 +81,9 @@ def _replicates_kv_heads(implementation: "str | Implementation | None") -> bool:
     return load_implementation(implementation).tp_replicates_kv_heads
 
 
+_VIOLATIONS: dict[tuple, tuple[ModelSpec, str | None]] = {}
+
+
 def violation(model: ModelSpec, workload: Workload, plan: "Plan",
               implementation: "str | Implementation | None" = None) -> str | None:
     """The first shape rule `plan` breaks for (model, workload), as one line; None if it keeps
@@ -89,7 +92,25 @@ def violation(model: ModelSpec, workload: Workload, plan: "Plan",
     `implementation` (a profile's name, path or the profile) may relax a rule it says it goes
     beyond; None keeps every rule strict. The plan must already keep the method's rules
     (`Plan.check_against` checks them first): the positions rule reads its layout.
+
+    Kept per (model, workload, plan, profile name): the planner enumerates a plan, then each
+    simulation checks it again.
     """
+    if implementation is not None and not isinstance(implementation, str):
+        return _violation(model, workload, plan, implementation)
+    key = (id(model), workload, plan, implementation)
+    hit = _VIOLATIONS.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    if len(_VIOLATIONS) > 4096:
+        _VIOLATIONS.clear()
+    reason = _violation(model, workload, plan, implementation)
+    _VIOLATIONS[key] = (model, reason)
+    return reason
+
+
+def _violation(model: ModelSpec, workload: Workload, plan: "Plan",
+               implementation: "str | Implementation | None" = None) -> str | None:
     ep, tp = plan.ep, plan.tp
     objective = objective_violation(workload, plan)
     if objective:
