@@ -35,11 +35,19 @@ class _LayerTemplate:
         return cls(tuple((op.name, op.phase, op.work, r) for op, r in zip(ops, rel)), rel[-1])
 
     def stamp(self, ops: list[Op], layer: int, x: Deps) -> Deps:
-        """Append a copy for `layer` after input `x`; returns the ops that end it (as a set)."""
+        """Append a copy for `layer` after input `x`; returns the ops that end it (as a set).
+        Most ops wait for the one op before them: that tuple is made without a map."""
         base, inputs = len(ops), tuple(sorted(set(x)))  # inputs precede every op of the layer
-        shift, new = base.__add__, tuple.__new__
-        ops.extend([new(Op, (base + k, name, phase, layer, work,
-                             (inputs if after_input else ()) + tuple(map(shift, inner))))
-                    for k, (name, phase, work, (after_input, inner)) in enumerate(self.ops)])
+        new, k, out = tuple.__new__, base, []
+        for name, phase, work, (after_input, inner) in self.ops:
+            if after_input:
+                deps = inputs + tuple([base + d for d in inner]) if inner else inputs
+            elif len(inner) == 1:
+                deps = (base + inner[0],)
+            else:
+                deps = tuple([base + d for d in inner])
+            out.append(new(Op, (k, name, phase, layer, work, deps)))
+            k += 1
+        ops.extend(out)
         after_input, inner = self.out
-        return (inputs if after_input else ()) + tuple(map(shift, inner))
+        return (inputs if after_input else ()) + tuple([base + d for d in inner])
