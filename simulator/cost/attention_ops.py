@@ -370,8 +370,13 @@ class AttentionOps:
         def fewer_tiles() -> Compute:  # packing GQA heads into query tiles when it wastes less
             both = [work_of(False), work_of(True)]
             return min(both, key=lambda w: sum(w.full_tile_flops) + sum(w.partial_tile_flops))
-        work = self.cached(("attn", a, pattern, cut, part, backward, kernel, pack),
-                           fewer_tiles if pack == "auto" else lambda: work_of(pack))
+        key = ("attn", a, pattern, cut, part, backward, kernel, pack)
+        # made once per layout ownership and what else it reads (candidates of a search that
+        # differ in dp, ep, placement or checkpointing, and a plan's bound and its simulation,
+        # share the work)
+        work = self.cached(key, lambda: self.derived(
+            key + (self.tp, self.w.micro_batch, self.w.block_size, self.impl.name),
+            fewer_tiles if pack == "auto" else lambda: work_of(pack)))
         repeat = self.head_dim_repeat(a, kernel)
         if repeat > 1:  # the kernel's K/V heads repeated first (backward: and dK/dV summed back)
             keys = split[part][2]

@@ -352,6 +352,9 @@ def clear_caches() -> None:
     from csbp.simulator.layout import tiles  # its per-call caches (issue 25)
 
     tiles.clear_caches()
+    from csbp.simulator.layout import spans  # its normalised spans
+
+    spans._normalized.cache_clear()
 
 
 def kv_row_bytes(layer: AttentionSpec, dtype_bytes: int, tp: int = 1) -> int:

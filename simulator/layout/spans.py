@@ -5,13 +5,29 @@ Kept as plain tuples so layouts hash, compare and serialise trivially.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 Span = tuple[int, int]
 
 
 def normalize(spans: Iterable[Span]) -> tuple[Span, ...]:
-    """Sorted, non-empty, with touching or overlapping spans merged."""
+    """Sorted, non-empty, with touching or overlapping spans merged. A tuple (what layouts hold
+    and pass around: the same few shares, asked again by every count) is normalised once."""
+    if type(spans) is tuple:
+        try:
+            return _normalized(spans)
+        except TypeError:  # unhashable parts (lists): normalised as any iterable
+            pass
+    return _normalize(spans)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _normalized(spans: tuple[Span, ...]) -> tuple[Span, ...]:
+    return _normalize(spans)
+
+
+def _normalize(spans: Iterable[Span]) -> tuple[Span, ...]:
     items = iter(sorted(s for s in spans if s[1] > s[0]))
     first = next(items, None)
     if first is None:
