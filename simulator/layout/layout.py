@@ -355,6 +355,9 @@ def clear_caches() -> None:
     from csbp.simulator.layout import spans  # its normalised spans
 
     spans._normalized.cache_clear()
+    from csbp.simulator.layout import objective_layout  # its views
+
+    objective_layout._view.cache_clear()
 
 
 def kv_row_bytes(layer: AttentionSpec, dtype_bytes: int, tp: int = 1) -> int:

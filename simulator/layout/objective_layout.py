@@ -37,6 +37,8 @@ CausalLayout API (what the simulator prices and a runtime executes for objective
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -193,7 +195,15 @@ class CanvasLayout(Layout):
 
 
 def canvas_view(layout: Layout, per_stream: bool = False) -> CanvasLayout:
-    return CanvasLayout(layout.seq_len, layout.block, layout.plan, layout.checkpointing, per_stream=per_stream)
+    return _view(CanvasLayout, layout.seq_len, layout.block, layout.plan, layout.checkpointing,
+                 per_stream=per_stream)
+
+
+@functools.lru_cache(maxsize=1024)
+def _view(cls: type, *fields, **flags) -> Layout:
+    """A view, made once per (class, fields): views are immutable, and every graph, bound and
+    memory estimate of a candidate asks for the same ones."""
+    return cls(*fields, **flags)
 
 
 @dataclass(frozen=True)
@@ -224,8 +234,8 @@ def stream_views(layout: Layout, ownership: str = "shared-2l") -> tuple[EncoderL
     profile's `stream_ownership`; `per-stream` shards each stream on its own under pure CP
     (both views the same clean rows, so the decoder still reads the K/V the encoder made)."""
     per_stream = ownership == "per-stream"
-    enc = EncoderLayout(layout.seq_len, layout.block, layout.plan, layout.checkpointing,
-                        whole_clean=isinstance(layout, WholeCleanLayout), per_stream=per_stream)
+    enc = _view(EncoderLayout, layout.seq_len, layout.block, layout.plan, layout.checkpointing,
+                whole_clean=isinstance(layout, WholeCleanLayout), per_stream=per_stream)
     return enc, canvas_view(layout, per_stream)
 
 
