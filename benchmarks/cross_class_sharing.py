@@ -11,8 +11,13 @@ every rank on the same class; a step puts different classes side by side, and th
 whether that matters. Measured on the 2-core AMD EPYC host, 2026-12-01 (load 1.2), two runs of
 the defaults one minute apart, fraction of alone beside attention / GEMMs / memory-bound ops /
 host: 0.92 / 0.86 / 0.79 / 0.92, then 0.95 / 0.98 / 0.95 / 0.99 — the two runs disagree by as
-much as the effect (rank 0 alone read 6.27 and 6.70 calls/s), so no cross-class penalty is
-established yet: longer windows and more rounds first. Not a test; nothing is written.
+much as the effect (rank 0 alone read 6.27 and 6.70 calls/s). Longer, on the same host at 21:10
+and 21:13 (`--window 5 --rounds 5`, load 0.9 before): 0.89 / 0.82 / 0.84 / 0.96 (alone 6.73
+calls/s), then 0.95 / 1.00 / 0.94 / 0.98 (alone 6.23). Four runs: beside GEMMs 0.82-1.00,
+beside memory-bound ops 0.79-0.95, and the host's own speed moved 8 % between runs minutes
+apart. No cross-class penalty is established; whatever there is stays at or below ~15 %, short of
+the 16-28 % by which attention in the validation's 2-rank steps outlasts its price (issue 26),
+so this mechanism alone does not explain that gap. Not a test; nothing is written.
 """
 
 from __future__ import annotations
