@@ -167,3 +167,16 @@ def test_dual_end_balances_load(n_blocks, n_ranks):
 def test_plan_rules_named(text, rule):
     with pytest.raises(InputError, match=rule.replace("%", "%").replace("*", r"\*")):
         parse_plan(text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), max_size=8))
+def test_normalize_is_the_same_for_a_tuple_a_list_and_a_generator(spans):
+    """A tuple of spans is normalised once and kept (`spans._normalized`): whatever container
+    holds the spans, and however often it is asked, the answer is the same (integers: exact)."""
+    expected = normalize(list(spans))
+    assert normalize(tuple(spans)) == expected
+    assert normalize(tuple(spans)) == expected  # the kept answer
+    assert normalize(s for s in spans) == expected
+    assert normalize(tuple(list(s) for s in spans)) == expected  # unhashable parts: not kept
+    assert all(a < b for a, b in expected) and all(b < c for (_, b), (c, _) in zip(expected, expected[1:]))
