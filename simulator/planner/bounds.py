@@ -42,6 +42,21 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    without overlap they run on the compute stream. Either way the step lasts at least each
    reader stream's sum, on every rank, so the bound is the larger of that and the compute
    stream's segments (which leave the readers out).
+7. Ranks wait for each other at a collective whose members start together (a CP group's K/V
+   all-gather: its slowest member sets when it starts). Per segment, on every rank: `pre`, the
+   compute ops up to the last one the segment's first such collective depends on (in program
+   order: the stream runs them all before that one ends); `mid`, those after it that do not wait
+   for the collective; `post`, the rest, from the first op that does. With E the time a rank's
+   stream ends the segment before (a lower bound, by induction), the collective starts no
+   earlier than T = the largest E + pre among its members, the first op waiting for it no
+   earlier than max(T, E + pre + mid), so the rank ends the segment no earlier than that plus
+   post; a segment without such a collective, no earlier than E plus all its compute. This is the
+   closed form's own recursion with every transfer taking 0 s, no stretch and fewer waits, so it
+   is below both engines (each is monotone in every duration). Layers of a kind have the same
+   segments (reason 2), so the recursion runs along the model's real layer order (forward
+   ascending, recompute and backward descending, each pass and stream as the graph has them)
+   with each layer's kind's segments from the one-layer-per-kind graph: per layer a few array
+   operations, not its ops. The bound per rank is the larger of this and reason 1's sum.
 """
 
 from __future__ import annotations
@@ -100,7 +115,12 @@ def busy_per_rank(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
                             keys_at_home=keys_at_home and keys_at_home_is_cheapest(profile),
                             implementation=profile.implementation)
     # ranks sharing a host: an op may run with fewer of them busy than all (engine/host_crowding)
-    return segment_sums(graph, counts, durations(graph, host_crowding.fastest(profile)))
+    d = durations(graph, host_crowding.fastest(profile))
+    sums = segment_sums(graph, counts, d)
+    if keys_at_home:  # no K/V exchange: no collective whose members start together (reason 7)
+        return sums
+    waits = sync_waits(graph, d, [reduced.layers.index(a) for a in model.layers])
+    return {ckpt: np.maximum(busy, waits[ckpt]) for ckpt, busy in sums.items()}
 
 
 def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str, np.ndarray]:
@@ -143,6 +163,120 @@ def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str
         for ckpt in total:
             total[ckpt] = np.maximum(total[ckpt], busy)
     return total
+
+
+def _segments(graph: StepGraph, d: np.ndarray) -> list[tuple]:
+    """The compute stream's segments in program order (reason 1's): (layer, phase, run key, what
+    a rank's stream does in it: ("sum", seconds) or ("sync", pre, mid, post, the collective's
+    `program.Sync` or None)), by reason 7."""
+    from csbp.simulator.engine.program import IO_STREAMS, program
+
+    per_work, (_, which) = program(graph), graph.works()
+    n = graph.ranks
+    out, ops = [], graph.ops
+    start = 0
+    while start < len(ops):
+        key = (ops[start].layer, ops[start].phase)
+        end = start
+        while end < len(ops) and (ops[end].layer, ops[end].phase) == key:
+            end += 1
+        inside = range(start, end)
+        compute = [i for i in inside if not per_work[which[i]][0] and ops[i].stream not in IO_STREAMS]
+        if compute:
+            head = ops[compute[0]].name.split(".", 1)[0]
+            stream = head if head in ("encoder", "decoder", "selfcond") else ""
+            run = (stream, "forward" if key[1] == "forward" else "backward")
+            out.append((key[0], key[1], run, _segment(ops, compute, start, end, per_work, which, d, n)))
+        start = end
+    return out
+
+
+def _segment(ops, compute: list[int], start: int, end: int, per_work, which, d: np.ndarray, n: int) -> tuple:
+    """("sync", pre, mid, post, sync) for the segment's first collective whose members start
+    together, that waits for some of its compute and that some of its compute waits for;
+    ("sum", all its compute) where there is none (reason 7)."""
+    is_compute = set(compute)
+    for c in range(start, end):
+        comm, sync, _ = per_work[which[c]]
+        if not comm or sync is None:
+            continue
+        before, stack = set(), list(ops[c].deps)  # its ancestors inside the segment
+        while stack:
+            j = stack.pop()
+            if j >= start and j not in before:
+                before.add(j)
+                stack.extend(ops[j].deps)
+        last = max((j for j in before if j in is_compute), default=None)
+        after = {c}  # what waits for it inside the segment, in program order
+        first = None
+        for j in range(c + 1, end):
+            if any(k in after for k in ops[j].deps):
+                after.add(j)
+                if j in is_compute:
+                    first = j
+                    break
+        if last is None or first is None:
+            continue
+        parts = [np.zeros(n), np.zeros(n), np.zeros(n)]
+        for j in compute:
+            parts[0 if j <= last else 1 if j < first else 2] += d[j]
+        return ("sync", *parts, sync)
+    return ("sum", d[compute].sum(axis=0))
+
+
+def sync_waits(graph: StepGraph, d: np.ndarray, kinds: list[int]) -> dict[str, np.ndarray]:
+    """Per rank, when its compute stream ends at the earliest by reason 7, with full
+    checkpointing and without (rows 0 and 1 of one recursion); `graph` has one layer per kind,
+    `kinds` gives the kind (its layer in `graph`) of each layer of the model, in order. Zeros
+    where no segment waits at such a collective (reason 1's sum is then the larger)."""
+    segments = _segments(graph, d)
+    n = graph.ranks
+    if not any(part[0] == "sync" for *_, part in segments):
+        return {"full": np.zeros(n), "none": np.zeros(n)}
+    end = np.zeros((2, n))  # [full, none]
+    skip = np.array([[1.0], [0.0]])  # a recompute segment counts in "full" only
+
+    def step(end: np.ndarray, part: tuple, phase: str) -> np.ndarray:
+        if part[0] == "sum":
+            added = end + part[1]
+        else:
+            _, pre, mid, post, sync = part
+            arrived = end + pre
+            added = np.maximum(_slowest(arrived, sync), arrived + mid) + post
+        return end + skip * (added - end) if phase == "recompute" else added
+
+    i = 0
+    while i < len(segments):
+        layer, phase, run, part = segments[i]
+        if layer is None:
+            end = step(end, part, phase)
+            i += 1
+            continue
+        # a pass over the layers: its segments by (kind, phase), one layer's phases in order
+        j, found, pattern = i, {}, []
+        while j < len(segments) and segments[j][0] is not None and segments[j][2] == run:
+            found[segments[j][0], segments[j][1]] = segments[j][3]
+            if segments[j][0] == segments[i][0] and segments[j][1] not in pattern:
+                pattern.append(segments[j][1])
+            j += 1
+        order = range(len(kinds)) if run[1] == "forward" else range(len(kinds) - 1, -1, -1)
+        for li in order:
+            for ph in pattern:
+                part = found.get((kinds[li], ph))
+                if part is not None:
+                    end = step(end, part, ph)
+        i = j
+    return {"full": end[0], "none": end[1]}
+
+
+def _slowest(values: np.ndarray, sync) -> np.ndarray:
+    """`program.slowest` for each row of `values` [rows, ranks] at once."""
+    if sync.whole:
+        return np.broadcast_to(values.max(axis=1, keepdims=True), values.shape)
+    out = values.copy()
+    out[:, sync.order] = np.repeat(np.maximum.reduceat(values[:, sync.order], sync.starts, axis=1),
+                                   sync.sizes, axis=1)
+    return out
 
 
 def lower_bounds(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
