@@ -56,7 +56,8 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    segments (reason 2), so the recursion runs along the model's real layer order (forward
    ascending, recompute and backward descending, each pass and stream as the graph has them)
    with each layer's kind's segments from the one-layer-per-kind graph: per layer a few array
-   operations, not its ops. The bound per rank is the larger of this and reason 1's sum.
+   operations, not its ops. The bound per rank is the larger of this and reason 1's sum
+   (taken for pure CP's tight bound, where ranks are unbalanced: `busy_per_rank`).
 """
 
 from __future__ import annotations
