@@ -56,11 +56,13 @@ def _sync(group: Group, ranks: int) -> Sync | None:
 def slowest(values: np.ndarray, sync: Sync) -> np.ndarray:
     """Per rank, the latest of `values` among the ranks it waits for (`Group.slowest`): every set's
     maximum in one reduction (a maximum is exact, so it is the same number however it is taken);
-    ranks in no set keep their own value."""
+    ranks in no set keep their own value. `values` [..., ranks]: each row on its own (the bounds
+    run two checkpointing settings at once)."""
     if sync.whole:
-        return np.full_like(values, values.max())
+        return np.broadcast_to(values.max(axis=-1, keepdims=True), values.shape).copy()
     out = values.copy()
-    out[sync.order] = np.repeat(np.maximum.reduceat(values[sync.order], sync.starts), sync.sizes)
+    out[..., sync.order] = np.repeat(np.maximum.reduceat(values[..., sync.order], sync.starts, axis=-1),
+                                     sync.sizes, axis=-1)
     return out
 
 
@@ -188,14 +190,6 @@ def streams(graph: StepGraph) -> list[str]:
     if "streams" not in graph._arrays:
         graph._arrays["streams"] = [op.stream for op in graph.ops]
     return graph._arrays["streams"]
-
-
-def io_ops(graph: StepGraph) -> dict[int, str]:
-    """Ops on the host/storage streams (a drafter's offline feature reader) and their stream,
-    found once per graph."""
-    if "io" not in graph._arrays:
-        graph._arrays["io"] = {i: s for i, s in enumerate(streams(graph)) if s in IO_STREAMS}
-    return graph._arrays["io"]
 
 
 def _back_to_back(chain: np.ndarray, begin: np.ndarray, d: np.ndarray, start: list, finish: list) -> np.ndarray:

@@ -234,6 +234,8 @@ def sync_waits(graph: StepGraph, d: np.ndarray, kinds: list[int]) -> dict[str, n
     checkpointing and without (rows 0 and 1 of one recursion); `graph` has one layer per kind,
     `kinds` gives the kind (its layer in `graph`) of each layer of the model, in order. Zeros
     where no segment waits at such a collective (reason 1's sum is then the larger)."""
+    from csbp.simulator.engine.program import slowest
+
     segments = _segments(graph, d)
     n = graph.ranks
     if not any(part[0] == "sync" for *_, part in segments):
@@ -247,7 +249,7 @@ def sync_waits(graph: StepGraph, d: np.ndarray, kinds: list[int]) -> dict[str, n
         else:
             _, pre, mid, post, sync = part
             arrived = end + pre
-            added = np.maximum(_slowest(arrived, sync), arrived + mid) + post
+            added = np.maximum(slowest(arrived, sync), arrived + mid) + post
         return end + skip * (added - end) if phase == "recompute" else added
 
     i = 0
@@ -272,16 +274,6 @@ def sync_waits(graph: StepGraph, d: np.ndarray, kinds: list[int]) -> dict[str, n
                     end = step(end, part, ph)
         i = j
     return {"full": end[0], "none": end[1]}
-
-
-def _slowest(values: np.ndarray, sync) -> np.ndarray:
-    """`program.slowest` for each row of `values` [rows, ranks] at once."""
-    if sync.whole:
-        return np.broadcast_to(values.max(axis=1, keepdims=True), values.shape)
-    out = values.copy()
-    out[:, sync.order] = np.repeat(np.maximum.reduceat(values[:, sync.order], sync.starts, axis=1),
-                                   sync.sizes, axis=1)
-    return out
 
 
 def lower_bounds(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
