@@ -27,6 +27,7 @@ from itertools import product
 from typing import get_args
 
 from csbp.simulator.plan import rules as plan_rules
+from csbp.simulator.planner.collector import fewer_collections
 from csbp.simulator.planner.bounds import bound_key, keys_at_home_is_cheapest, lower_bounds
 from csbp.simulator.planner.floor import floor_bounds
 from csbp.simulator.errors import InputError
@@ -347,11 +348,12 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
-    space = enumerate_space(model, workload, gpus, checkpointing, axes,
-                            implementation=profile.implementation)
-    with Workers(workers) as pool:
-        found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool,
-                        baseline_only and keep is not None, prune_placements)
+    with fewer_collections():
+        space = enumerate_space(model, workload, gpus, checkpointing, axes,
+                                implementation=profile.implementation)
+        with Workers(workers) as pool:
+            found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool,
+                            baseline_only and keep is not None, prune_placements)
     found.seconds = time.perf_counter() - start
     return found
 
