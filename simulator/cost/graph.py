@@ -168,7 +168,10 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
     # -- small constructors -------------------------------------------------------------------
     def add(self, name: str, phase: Phase, layer: int | None, work: Work | None, *deps: Deps) -> Deps:
         """Append an op after `deps`; with no work (None) the deps pass through unchanged."""
-        flat = tuple(sorted({d for ds in deps for d in ds}))
+        if len(deps) == 1 and len(deps[0]) <= 1:  # most ops: after the one op before them
+            flat = tuple(deps[0])
+        else:
+            flat = tuple(sorted({d for ds in deps for d in ds}))
         if work is None:
             return flat
         if self.prefix:

@@ -91,9 +91,8 @@ class Timeline:
         the moments' group incidence with the groups' sums."""
         index: dict[int, int] = {}
         sums: list[np.ndarray | float] = []
-        rows: list[list[int]] = []
+        which: list[int] = []  # per (moment, group), the group's row in `sums`
         for groups in self.groups:
-            row = []
             for g in groups:
                 k = index.get(id(g))
                 if k is None:
@@ -108,12 +107,10 @@ class Timeline:
                     for v in arrays:
                         total = v + total
                     sums.append(total)
-                row.append(k)
-            rows.append(row)
-        incidence = np.zeros((len(rows), len(sums)))
-        for i, row in enumerate(rows):
-            for k in row:
-                incidence[i, k] += 1.0
+                which.append(k)
+        incidence = np.zeros((len(self.groups), len(sums)))
+        moment = np.repeat(np.arange(len(self.groups)), [len(groups) for groups in self.groups])
+        np.add.at(incidence, (moment, np.array(which, dtype=np.intp)), 1.0)
         matrix = np.empty((len(sums), self.n_ranks))
         for k, v in enumerate(sums):
             matrix[k] = v
