@@ -19,6 +19,7 @@ from csbp.runtime.calibration.calibration_measurements import Measurements, meas
 from csbp.runtime.calibration.collective_fit import residuals
 from csbp.runtime.calibration.fit_figures import KIB
 from csbp.runtime.calibration.profile_fit import fit_profile
+from csbp.runtime.calibration.reference_speed import STAGES, at_reference_speed
 from csbp.runtime.calibration.sharing_fit import step_check
 from csbp.simulator.errors import InputError
 from csbp.simulator.system.hardware import PROFILE_DIR, HardwareProfile, load_profile
@@ -48,15 +49,14 @@ def run(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise InputError(f"{out.parent}: no such directory")
     console = Console(stderr=True)
-    labels = ["GEMMs", "attention tiles", "memory-bound ops", "core sharing",
-              "collectives, world size 2", "collectives, world size 4"]
+    labels = list(STAGES)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("calibrating", total=len(labels))
 
         def step(label: str) -> None:
             progress.update(task, description=label, completed=labels.index(label))
 
-        m = measure(args.quick, step)
+        m = at_reference_speed(measure(args.quick, step))  # every stage at the probe's speed
     raw = fit_profile(m, args.name)
     out.write_text(_header(m) + yaml.safe_dump(raw, sort_keys=False, width=100,
                                                 default_flow_style=None))
