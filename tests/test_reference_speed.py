@@ -41,6 +41,23 @@ def test_timings_scale_and_sizes_do_not():
     assert "GEMMs x2.000" in scaled.notes[-1]
 
 
+def test_only_what_one_process_measured_alone_is_scaled():
+    """The sharing stage at half the reference speed (probes 200 ms around it, median 100):
+    the one-rank rates are read at the reference speed, the rates with 4 ranks busy, the steps
+    under load, the pair calls and the collectives stay as measured (the host's throughput with
+    its cores busy did not move with one process's speed)."""
+    probes = (0.1, 0.1, 0.1, 0.2, 0.2, 0.1, 0.1)  # sharing stage: both probes 200 ms
+    m = replace(_measurements(), probe=probes, step_load={2: 0.3, 4: 0.6}, pair_calls={4: 0.002},
+                rank_rates={1: {"gemm": [10.0]}, 4: {"gemm": [2.0] * 4}})
+    assert stage_factors(probes)["core sharing"] == 0.5
+    scaled = at_reference_speed(m)
+    assert scaled.rank_rates[1]["gemm"] == [20.0]  # at the reference speed: twice the rate
+    assert scaled.rank_rates[4] == m.rank_rates[4] and scaled.gemm_load[4] == m.gemm_load[4]
+    assert scaled.gemm_load[1] == [2 * r for r in m.gemm_load[1]]
+    assert scaled.step_load == m.step_load and scaled.pair_calls == m.pair_calls
+    assert scaled.collectives == m.collectives
+
+
 def test_a_stage_timed_on_a_faster_host_fits_the_figures_of_the_reference_speed():
     """The fitted peak and GEMM curve are those the same host gives at the reference speed."""
     at_reference = replace(_measurements(), probe=(0.1,) * 7)
