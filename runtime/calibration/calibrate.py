@@ -15,11 +15,11 @@ from pathlib import Path
 import yaml
 
 from csbp.runtime.calibration.attention_fit import dense_attention_check
-from csbp.runtime.calibration.calibration_measurements import Measurements, measure
+from csbp.runtime.calibration.calibration_measurements import STAGES, Measurements, measure
 from csbp.runtime.calibration.collective_fit import residuals
 from csbp.runtime.calibration.fit_figures import KIB
 from csbp.runtime.calibration.profile_fit import fit_profile
-from csbp.runtime.calibration.reference_speed import STAGES, at_reference_speed
+from csbp.runtime.calibration.reference_speed import at_reference_speed
 from csbp.runtime.calibration.sharing_fit import step_check
 from csbp.simulator.errors import InputError
 from csbp.simulator.system.hardware import PROFILE_DIR, HardwareProfile, load_profile
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         def step(label: str) -> None:
             progress.update(task, description=label, completed=labels.index(label))
 
-        m = at_reference_speed(measure(args.quick, step))  # every stage at the probe's speed
+        m = at_reference_speed(measure(args.quick, step))  # one-process timings at the probe's median speed
     raw = fit_profile(m, args.name)
     out.write_text(_header(m) + yaml.safe_dump(raw, sort_keys=False, width=100,
                                                 default_flow_style=None))

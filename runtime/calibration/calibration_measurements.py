@@ -27,6 +27,10 @@ ELEMENTWISE_TOKENS = (512, 1024, 2048)
 # Host overhead: the validation model's layer structure at widths where arithmetic vanishes.
 TINY_SEQ = 32
 TINY_SPEC_TEXT = "the validation model's layers at hidden 32, 4 heads of 8, L = 32"
+# The stages `measure` runs, in order, the reference probe timed before each and at the end
+# (`reference_speed` reads each stage against the two probes around it).
+STAGES = ("GEMMs", "attention tiles", "memory-bound ops", "core sharing",
+          "collectives, world size 2", "collectives, world size 4")
 
 
 def tiny_spec():
@@ -117,19 +121,19 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
     widths = (a.n_heads * a.head_dim, a.kv_width, spec.ffn, spec.vocab)
     tokens = (256, 1024, 4096) if quick else (128, 256, 512, 1024, 2048, 4096, 8192)
     budget = 0.05 if quick else 0.25
-    step("GEMMs")
+    step(STAGES[0])  # GEMMs
     gemm = [(m, k, n, mb.gemm_seconds(m, k, n, torch.float32, budget))
             for m, k, n in gemm_shapes(spec.hidden, widths, tokens)]
     linear = [(m, hidden, width, *mb.linear_seconds(m, hidden, width, budget))
               for m in tokens if m <= 4096 for hidden, width in
               sorted({(spec.hidden, w) for w in widths} | {(w, spec.hidden) for w in widths})]
-    step("attention tiles")
+    step(STAGES[1])  # attention tiles
     tiles = (128, 512, 2048) if quick else (128, 256, 512, 1024, 2048, 4096)
     attention = mb.attention_points(spec, tiles[:-1] if not quick else tiles, budget)
     masked = mb.masked_tile_seconds(spec, 1024, 64, budget)
     dense = [(q, 2 * L, where, *mb.bd3lm_call_seconds(spec, L, BLOCK, q, where, budget))
              for L, queries in DENSE_CALLS[quick] for q in queries for where in mb.BD3LM_QUERY_SETS]
-    step("memory-bound ops")
+    step(STAGES[2])  # memory-bound ops
     copy_bytes = 64 * MIB
     copy = (2 * copy_bytes, mb.copy_seconds(copy_bytes, budget))
     elementwise = [(n, mb.layer_elementwise_seconds(spec, n, budget)) for n in ELEMENTWISE_TOKENS]
@@ -138,7 +142,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
                     for q, k in ((512, 1024), (1024, 1024), (1024, 2048))]
     tiny = mb.tiny_step_seconds(tiny_spec(), TINY_SEQ, TINY_SEQ, steps=10 if quick else 30)
     optimizer = mb.optimizer_seconds(spec)
-    step("core sharing")
+    step(STAGES[3])  # core sharing
     # 2 s per class and rank count (3 rounds): with 1 s windows two calibrations an hour apart
     # read the two-rank memory-bound speed as 0.91 and 0.76, a spread the size of the biases
     # the curves are there to remove
@@ -151,7 +155,7 @@ def measure(quick: bool, step: Callable[[str], None]) -> Measurements:
                  for procs in (cpus, 2 * cpus)}
     collectives = {}
     for world in (2, 4):
-        step(f"collectives, world size {world}")
+        step(STAGES[4 if world == 2 else 5])  # collectives at this world size
         sizes = QUICK_COLLECTIVE_SIZES if quick else COLLECTIVE_SIZES
         collectives[world] = mb.collective_seconds(world, sizes, threads=threads,
                                                    repeats=1 if quick else 3, calls=4 if quick else 8)

@@ -26,11 +26,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from csbp.runtime.calibration.calibration_measurements import Measurements
-
-# The stages in the order `calibration_measurements.measure` runs them, a probe before each.
-STAGES = ("GEMMs", "attention tiles", "memory-bound ops", "core sharing",
-          "collectives, world size 2", "collectives, world size 4")
+from csbp.runtime.calibration.calibration_measurements import STAGES, Measurements
 
 
 def stage_factors(probes: tuple[float, ...]) -> dict[str, float]:

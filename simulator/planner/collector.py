@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def fewer_collections() -> Iterator[None]:
+def collection_paused() -> Iterator[None]:
     was_enabled = gc.isenabled()
     gc.disable()
     try:

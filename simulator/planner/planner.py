@@ -27,7 +27,7 @@ from itertools import product
 from typing import get_args
 
 from csbp.simulator.plan import rules as plan_rules
-from csbp.simulator.planner.collector import fewer_collections
+from csbp.simulator.planner.collector import collection_paused
 from csbp.simulator.planner.bounds import bound_key, keys_at_home_is_cheapest, lower_bounds
 from csbp.simulator.planner.floor import floor_bounds
 from csbp.simulator.errors import InputError
@@ -348,7 +348,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
-    with fewer_collections():
+    with collection_paused():
         space = enumerate_space(model, workload, gpus, checkpointing, axes,
                                 implementation=profile.implementation)
         with Workers(workers) as pool:
