@@ -261,7 +261,41 @@ def outside_allocator_bytes(model: ModelSpec, plan: Plan, impl, dt: int) -> floa
 
 def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                   profile: HardwareProfile) -> memory_timeline.Timeline:
-    """The step's live bytes moment by moment on every rank, sized from the layout."""
+    """The step's live bytes moment by moment on every rank, sized from the layout: the
+    activations' walk (`step_bytes`, shared by plans that differ only in dp and ep) under this
+    plan's weight state."""
+    impl = load_implementation(profile.implementation)
+    obj = objective_shape(workload, model)
+    opt = impl.optimizer.path(obj.name)
+    zero = opt.stage(workload.zero_stage)  # the framework's sharding (FSDP2: 3), else the workload's
+    fp8 = resolve_linear_dtype(workload, impl) == "fp8"
+    weights = memory_timeline.weight_state(model, zero, workload.dtype_bytes, plan, obj.frozen_embeddings,
+                                           obj.frozen_router, opt, impl.fp8.weight_cache_bytes if fp8 else 0)
+    return step_bytes(model, workload, plan, layout, profile, weights.replicas > 1).timeline(weights)
+
+
+_STEP_BYTES: dict[tuple, tuple[ModelSpec, HardwareProfile, memory_timeline.StepBytes]] = {}
+
+
+def step_bytes(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
+               profile: HardwareProfile, synced: bool) -> memory_timeline.StepBytes:
+    """The activations' side of `step_timeline`: what it reads of the plan is the layout's
+    ownership and transport, TP and the plan family, so it is walked once for all the plans of
+    a search that differ only in dp and ep (`synced`: their gradients are summed at all)."""
+    key = (id(model), id(profile), workload, layout.ownership_key(), layout.plan.transport,
+           layout.checkpointing, plan.tp, plan.kind, plan.transport, synced)
+    hit = _STEP_BYTES.get(key)
+    if hit is not None and hit[0] is model and hit[1] is profile:
+        return hit[2]
+    walked = _walk_activations(model, workload, plan, layout, profile, synced)
+    if len(_STEP_BYTES) > 1024:
+        _STEP_BYTES.clear()
+    _STEP_BYTES[key] = (model, profile, walked)
+    return walked
+
+
+def _walk_activations(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
+                      profile: HardwareProfile, synced: bool) -> memory_timeline.StepBytes:
     dt, tp, mb = workload.dtype_bytes, plan.tp, workload.micro_batch
     obj = objective_shape(workload, model)
     rows = getattr(obj, "rows_per_example", 1)  # examples packed as rows of one batch
@@ -276,10 +310,7 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
                                   block=workload.block_size, linear_dtype=linear_dtype,
                                   routing=route_index_bytes(model, impl, tokens, tp))
     eager = bool(profile.gpu.dense_attention)
-    opt = impl.optimizer.path(obj.name)
-    zero = opt.stage(workload.zero_stage)  # the framework's sharding (FSDP2: 3), else the workload's
-    weights = memory_timeline.weight_state(model, zero, dt, plan, obj.frozen_embeddings, obj.frozen_router,
-                                           opt, impl.fp8.weight_cache_bytes if linear_dtype == "fp8" else 0)
+    zero = impl.optimizer.path(obj.name).stage(workload.zero_stage)
     full_ckpt = workload.checkpointing == "full"
     kinds = _model_sizes(model)["kinds"]
     if eager:
@@ -315,8 +346,8 @@ def step_timeline(model: ModelSpec, workload: Workload, plan: Plan, layout: Layo
         if views:  # each stream's layers hold its own rows' buffers
             retained = replace(retained, streams=tuple(
                 (view, stream_sizes(sizes, view, model, impl)) for view in views))
-    return memory_timeline.walk(model, layout, sizes, weights, eager, full_ckpt, loss, context,
-                                zero, retained, loss_backward=loss_backward)
+    return memory_timeline.walk_activations(model, layout, sizes, eager, full_ckpt, loss, context,
+                                            zero, retained, loss_backward, synced)
 
 
 def route_index_bytes(model: ModelSpec, impl, rows, tp: int):

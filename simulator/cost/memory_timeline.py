@@ -75,11 +75,22 @@ class Timeline:
 
     n_ranks: int
     moments: list[Moment] = field(default_factory=list)
-    groups: list[tuple[dict, ...]] = field(default_factory=list)
+    _groups: list[tuple[dict, ...]] | None = field(default_factory=list, repr=False)
+    _totals: np.ndarray | None = field(default=None, repr=False)  # found once (`StepBytes` gives it)
+    _make_groups: object = field(default=None, repr=False)  # makes `_groups` when first read
+
+    @property
+    def groups(self) -> list[tuple[dict, ...]]:
+        """Per moment, its groups of categories (a search reads only the totals of most plans,
+        so `StepBytes` leaves them to be made here, when asked)."""
+        if self._groups is None:
+            self._groups = self._make_groups()
+        return self._groups
 
     def at(self, moment: Moment, *groups: dict) -> None:
         self.moments.append(moment)
         self.groups.append(groups)
+        self._totals = None
 
     @property
     def parts(self) -> list[dict[str, np.ndarray | float]]:
@@ -89,6 +100,11 @@ class Timeline:
     def totals(self) -> np.ndarray:
         """[moments, ranks] live bytes: each distinct group summed once, then one product of
         the moments' group incidence with the groups' sums."""
+        if self._totals is None:
+            self._totals = self._summed()
+        return self._totals
+
+    def _summed(self) -> np.ndarray:
         index: dict[int, int] = {}
         sums: list[np.ndarray | float] = []
         which: list[int] = []  # per (moment, group), the group's row in `sums`
@@ -623,32 +639,113 @@ class RetainedEncoder:
         return out
 
 
+def weight_bytes(terms: list, weights: WeightState, shape: _Structure, zero: int,
+                 eager: bool) -> dict:
+    """Per term of the walk (`StepBytes.terms`), the weight side's bytes alive then by category:
+    the same on every rank, and the only part of the step's bytes that depends on dp and ep
+    (through the ZeRO shards and the experts per rank)."""
+    bucket = weights.bucket if zero >= 2 else 0.0  # ZeRO-2/3's buckets, alive through the backward
+    layers_grads = sum(weights.layer_grads[a] * shape.count[a] for a in shape.kinds)
+    all_grads = weights.grads if zero >= 2 else layers_grads + weights.head_grads + weights.embed_grads
+    fixed = {"params": weights.params, "master": weights.master, "optimizer": weights.optimizer,
+             "grads": weights.persistent_grads, "fp8": weights.fp8_cache}
+    # AdamW: per tensor (CPU: foreach off) sqrt and division temporaries of the largest tensor;
+    # foreach (CUDA) one fp32 temporary list of every updated parameter
+    temp = 2 * weights.largest_tensor if eager else weights.trainable * 4
+    known = {
+        # the root (FSDP2) is gathered from the forward's start to its backward's end
+        "fixed": fixed | {"params": weights.params + weights.root_gathered}, "fixed-after": fixed,
+        "head": {"grads": weights.head_grads + bucket},
+        "encoder": {"grads": layers_grads + weights.head_grads + bucket},  # the decoder's backward done
+        "all": {"grads": all_grads}, "bucket": {"grads": bucket},
+        # the gradients flattened into one buffer (runtime/plans/dp.py) or DDP's buckets
+        "sync": {"grads": all_grads, "comm": all_grads},
+        "optimizer": {"grads": all_grads, "transient": temp + weights.clip}}
+    out = {}
+    for term in terms:
+        if isinstance(term, tuple) and term[0] == "after":  # the layers after term[1], and the head
+            i, n = term[1], shape.n
+            done = sum(weights.layer_grads[a] * int(shape.before_count[a][n] - shape.before_count[a][i + 1])
+                       for a in shape.kinds)
+            out[term] = {"grads": weights.head_grads + done + bucket}
+        else:
+            out[term] = known[term]
+    return out
+
+
+@dataclass
+class StepBytes:
+    """The step's moments with what the activations hold at each (per rank) and which weight
+    terms are alive then (`weight_bytes`). The activations depend on the layout, TP, the
+    transport and checkpointing, not on dp or ep, so a search walks the step once for all the
+    plans that differ only there (most of them) and adds each one's weight side: a column of
+    numbers, the same on every rank."""
+
+    activations: Timeline
+    terms: list[tuple]  # per moment, the weight terms alive
+    shape: _Structure
+    zero: int
+    eager: bool
+    # found at the first `timeline`: the activations' totals, the distinct terms and which
+    # moments hold each
+    _totals: np.ndarray | None = field(default=None, repr=False)
+    _terms: list = field(default_factory=list, repr=False)
+    _incidence: np.ndarray | None = field(default=None, repr=False)
+
+    def timeline(self, weights: WeightState) -> Timeline:
+        """The step's bytes under one weight state: its totals the activations' plus the terms'
+        sums, its groups (for a breakdown) the activations' and the terms'."""
+        if self._totals is None:
+            self._totals = self.activations.totals()
+            self._terms = list(dict.fromkeys(t for terms in self.terms for t in terms))
+            index = {t: k for k, t in enumerate(self._terms)}
+            self._incidence = np.zeros((len(self.terms), len(self._terms)))
+            for m, terms in enumerate(self.terms):
+                for t in terms:
+                    self._incidence[m, index[t]] += 1.0
+        values = weight_bytes(self._terms, weights, self.shape, self.zero, self.eager)
+        column = self._incidence @ np.array([sum(values[t].values()) for t in self._terms])
+        acts, terms = self.activations, self.terms
+        return Timeline(acts.n_ranks, acts.moments, None, self._totals + column[:, None],
+                        lambda: [g + tuple(values[t] for t in ts) for g, ts in zip(acts.groups, terms)])
+
+
 def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, eager: bool,
          checkpointing: bool, loss: np.ndarray | float, context: np.ndarray | float = 0.0,
          zero: int = 0, retained: RetainedEncoder | None = None,
          loss_backward: np.ndarray | float | None = None) -> Timeline:
     """The step in program order (module docstring); returns every moment with its bytes.
     `retained`: DiffusionGemma's encoder K/V and checkpoints held for the decoder (section 12)."""
+    return walk_activations(model, layout, sizes, eager, checkpointing, loss, context, zero, retained,
+                            loss_backward, synced=weights.replicas > 1).timeline(weights)
+
+
+def walk_activations(model: ModelSpec, layout: Layout, sizes: Sizes, eager: bool,
+                     checkpointing: bool, loss: np.ndarray | float, context: np.ndarray | float = 0.0,
+                     zero: int = 0, retained: RetainedEncoder | None = None,
+                     loss_backward: np.ndarray | float | None = None, synced: bool = True) -> StepBytes:
+    """`walk` without the weight state: the moments, the activations' bytes and the weight
+    terms alive at each. `synced`: gradients are summed over replicas (dp x ctx x ep > 1)."""
     tl = Timeline(len(sizes.tokens))
+    terms: list[tuple] = []
     shape = _layer_structure(model)
     layers, n = model.layers, shape.n
     kinds = {a: implementation_extras(model, layout, a, sizes, layer_memory(model, layout, a, sizes, eager))
              for a in shape.kinds}
     hid = sizes.hidden
-    fixed = {"params": weights.params, "master": weights.master, "optimizer": weights.optimizer,
-             "context": context, "grads": weights.persistent_grads, "fp8": weights.fp8_cache}
-    after_backward = fixed  # the root (FSDP2) is resharded once its backward is done
-    if weights.root_gathered:
-        fixed = _merge(fixed, {"params": weights.root_gathered})
-    if eager:
+    fixed = {"context": context}  # with the term "fixed": parameters, master, optimizer state, ...
+    if eager:  # the runtime builds the masks once
         fixed["masks"] = _sum({i: m.masks for i, m in enumerate(kinds.values())})
     first, last = shape.first, shape.last
     stored_name = "checkpointed" if checkpointing else "saved"
     layer_name = "layer" if checkpointing else "saved"
 
-    # prefix sums over layers: what the layers before i keep, gradients of the layers after i
+    def at(moment: Moment, weight_terms: tuple, *groups: dict) -> None:
+        tl.at(moment, *groups)
+        terms.append(weight_terms)
+
+    # prefix sums over layers: what the layers before i keep
     before_count = shape.before_count
-    grads_total_layers = sum(weights.layer_grads[a] * shape.count[a] for a in kinds)
 
     routing = sizes.routing if np.any(sizes.routing) else None  # per MoE layer, kept to its backward
 
@@ -661,11 +758,6 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
             if c:
                 out = _merge(out, {k: c * v for k, v in _merge(mem.attn_saved, mem.mlp_saved).items()})
         return out
-
-    def grads_after(i: int) -> float:
-        done = sum(weights.layer_grads[a] * int(before_count[a][n] - before_count[a][i + 1])
-                   for a in kinds)
-        return weights.head_grads + done
 
     def rename(d: dict, saved_as: str) -> dict:
         return {(saved_as if k == "saved" else k): v for k, v in d.items()}
@@ -680,16 +772,15 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
         for op, during, extra in mem.forward:
             # checkpointed forward keeps nothing once an op's output is consumed, but the
             # tensors an op reads and writes are the ones it would save
-            tl.at(Moment("forward", op, i), fixed, below, own_input, rename(during, "transient"),
-                  extra)
+            at(Moment("forward", op, i), ("fixed",), fixed, below, own_input, rename(during, "transient"),
+               extra)
     # loss: every layer's stored part, the final hidden state and norm, the loss buffers
     kept = {"kv": retained.total(shape)} if retained is not None else {}
-    tl.at(Moment("loss", "cross-entropy"), fixed, stored_before(n),
-          {stored_name: hid, "transient": 2 * hid, "loss": loss}, kept)
+    at(Moment("loss", "cross-entropy"), ("fixed",), fixed, stored_before(n),
+       {stored_name: hid, "transient": 2 * hid, "loss": loss}, kept)
     if loss_backward is not None:  # a loss kernel whose backward allocates (implementation.md 9)
-        tl.at(Moment("loss", "head-bwd"), fixed, stored_before(n), kept,
-              {stored_name: hid, "transient": 2 * hid, "loss": loss_backward,
-               "grads": weights.head_grads + (weights.bucket if zero >= 2 else 0.0)})
+        at(Moment("loss", "head-bwd"), ("fixed", "head"), fixed, stored_before(n), kept,
+           {stored_name: hid, "transient": 2 * hid, "loss": loss_backward})
     # backward, last layer first; each kind at its last layer (most stored below) and its first
     # (most gradients above)
     visits = sorted({(last[a], a) for a in kinds} | {(first[a], a) for a in kinds},
@@ -717,46 +808,37 @@ def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, e
                                       layer_memory(model, enc_layout, a, enc_sizes, eager)) for a in shape.kinds})
         encoder_hidden = enc_sizes.hidden
     for i, a in visits:
-        grads = grads_after(i) + (weights.bucket if zero >= 2 else 0.0)
         below = stored_before(i)
-        here = {stored_name: hid, "grads": grads, "transient": hid}
+        here = {stored_name: hid, "transient": hid}  # with the gradients of the layers after i
         if routing is not None:
             here["routing"] = routing
         kept = retained.decoder_backward(shape, i, stored_name) if retained is not None else {}
+        grads = ("fixed", ("after", i))
         for op, during, extra in recomputed.get(a, ()):
-            tl.at(Moment("recompute", op, i), fixed, below, here, during, extra, kept)
+            at(Moment("recompute", op, i), grads, fixed, below, here, during, extra, kept)
         for op, layer, extra in backwards[a]:
-            tl.at(Moment("backward", op, i), fixed, below, here, layer, extra, kept)
+            at(Moment("backward", op, i), grads, fixed, below, here, layer, extra, kept)
     if retained is not None:
         # the encoder's backward starts at its last layer with every gradient of the decoder's
         # backward, all encoder K/V and their gradients, and every encoder checkpoint: its peak
         # (later layers free their K/V, gradients and checkpoints) [section 12]
         i, a = n - 1, layers[n - 1]
-        grads = grads_total_layers + weights.head_grads + (weights.bucket if zero >= 2 else 0.0)
         total = retained.total(shape)
-        here = {stored_name: n * retained.clean_hidden, "grads": grads, "kv": total, "dkv": total,
+        here = {stored_name: n * retained.clean_hidden, "kv": total, "dkv": total,
                 "transient": hid if encoder_hidden is None else encoder_hidden}
         if np.any(retained.clean_routing):
             here["routing"] = n * retained.clean_routing
         enc_recomputed, enc_backwards = encoder_buffers or (recomputed, backwards)
         for op, during, extra in enc_recomputed.get(a, ()):
-            tl.at(Moment("recompute", f"encoder.{op}", i), fixed, here, during, extra)
+            at(Moment("recompute", f"encoder.{op}", i), ("fixed", "encoder"), fixed, here, during, extra)
         for op, layer, extra in enc_backwards[a]:
-            tl.at(Moment("backward", f"encoder.{op}", i), fixed, here, layer, extra)
-    all_grads = grads_total_layers + weights.head_grads + weights.embed_grads
-    if zero >= 2:
-        all_grads = weights.grads
+            at(Moment("backward", f"encoder.{op}", i), ("fixed", "encoder"), fixed, here, layer, extra)
     # the gradient buckets are alive to the end of the backward (implementation.md 8)
-    tl.at(Moment("backward", "embed-bwd", 0), fixed, {"grads": all_grads, "transient": hid},
-          {"grads": weights.bucket if zero >= 2 else 0.0})
-    if weights.replicas > 1 and zero < 2:
-        # the gradients flattened into one buffer (runtime/plans/dp.py) or DDP's buckets
-        tl.at(Moment("grad-sync", "grads.all-reduce"), after_backward, {"grads": all_grads, "comm": all_grads})
-    # AdamW: per tensor (CPU: foreach off) sqrt and division temporaries of the largest tensor;
-    # foreach (CUDA) one fp32 temporary list of every updated parameter
-    temp = 2 * weights.largest_tensor if eager else weights.trainable * 4
-    tl.at(Moment("optimizer", "adamw"), after_backward, {"grads": all_grads, "transient": temp + weights.clip})
-    return tl
+    at(Moment("backward", "embed-bwd", 0), ("fixed", "all", "bucket"), fixed, {"transient": hid})
+    if synced and zero < 2:
+        at(Moment("grad-sync", "grads.all-reduce"), ("fixed-after", "sync"), fixed)
+    at(Moment("optimizer", "adamw"), ("fixed-after", "optimizer"), fixed)
+    return StepBytes(tl, terms, shape, zero, eager)
 
 
 def masked_loss_bytes(model: ModelSpec, noisy: np.ndarray, dt: int, tp: int) -> np.ndarray:
