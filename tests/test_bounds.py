@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from csbp.simulator.planner.bounds import (busy_per_rank, keys_at_home_is_cheapest, one_layer_per_kind, segment_sums,
-                                   step_time_lower_bound)
+from csbp.simulator.planner.bounds import (busy_per_rank, keys_at_home_is_cheapest, lower_bounds, one_layer_per_kind,
+                                   ring_chains, segment_sums, step_time_lower_bound)
 from csbp.simulator.engine import durations
 from csbp.simulator.cost.graph import StepGraph
 from csbp.simulator.layout.layout import Layout
@@ -79,6 +79,25 @@ def test_compute_floor_is_below_the_quick_bound_on_every_fitting_plan(name, seq_
         if memory_misfit(model, cand, profile) is None:
             quick = step_time_lower_bound(model, cand.workload, cand.plan, profile, keys_at_home=True)
             assert 0 < _floor(model, cand, profile) <= quick, cand.label
+
+
+@pytest.mark.parametrize("name, seq_len, nodes, hardware, every", JOBS[:-1], ids=[j[0] for j in JOBS[:-1]])
+def test_ring_chains_are_below_the_tight_bound_on_every_fitting_ring(name, seq_len, nodes, hardware, every):
+    """The ring rung (bounds.py reason 8) never exceeds the tight bound of the same plan (its
+    hops are that graph's, each chain inside one segment), which is below both engines (above).
+    Exact: both sum the same prices, the chain over fewer of them, and both are lowered by 1e-12."""
+    model, profile = load_model(name), load_profile(hardware)
+    workload = Workload(seq_len=seq_len, objective=default_objective(model))
+    space = enumerate_space(model, workload, nodes * profile.node.gpus_per_node)
+    rings = [c for c in space.candidates if c.plan.transport == "ring" and memory_misfit(model, c, profile) is None]
+    assert rings
+    chained = 0
+    for cand in rings[::every]:
+        chain = ring_chains(model, cand.workload, cand.plan, profile)
+        tight = lower_bounds(model, cand.workload, cand.plan, profile)
+        assert chain["none"] <= chain["full"] <= tight["full"] and chain["none"] <= tight["none"], cand.label
+        chained += chain["full"] > 0
+    assert chained  # some ring has hops that chain
 
 
 def test_bounds_are_tight_where_compute_dominates():

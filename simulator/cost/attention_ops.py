@@ -436,8 +436,22 @@ class AttentionOps:
     def move_kv(self, name: str, li: int, a: AttentionSpec, phase: Phase, step: int,
                 payload: str | None, *deps: Deps) -> Deps:
         """Append one step of the layer kind's K/V exchange in `phase` (rows from the layout)."""
-        work = self.cached(("kv", a, phase, step, payload), lambda: self.kv_comm(a, phase, step, payload))
-        return self.add(name, phase, li, work, *deps)
+        return self.add(name, phase, li, self.kv_work(a, phase, step, payload), *deps)
+
+    def kv_work(self, a: AttentionSpec, phase: Phase, step: int, payload: str | None) -> Comm | None:
+        """`kv_comm`, made once per layout ownership and what else the transfer reads (candidates
+        that differ in dp, ep or checkpointing where their groups match share it, and the
+        engines price it once)."""
+        def shared() -> Comm | None:
+            group = self.g_ring if self.pattern(a, phase) == "ring" else self.g_cp  # the one it moves on
+            return self.derived(("kv-comm", a, phase, step, payload, self.lay.plan.transport, self.lay.checkpointing,
+                                 self.keys_at_home, self.tp, self.w.micro_batch, self.dt, self.impl.name, group),
+                                lambda: self.kv_comm(a, phase, step, payload))
+        return self.cached(("kv", a, phase, step, payload), shared)
+
+    def ring_steps(self) -> int:
+        """Steps of a ring over the context group (the calls of `attention_split`'s ring)."""
+        return len(self.cp_sync[0])
 
     def pattern(self, a: AttentionSpec, phase: Phase) -> str:
         return "none" if self.keys_at_home else kv_rows.pattern(self.lay, a, phase)

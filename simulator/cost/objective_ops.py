@@ -6,6 +6,7 @@ the facts, this module turns them into ops). A mixin of the builder.
 from __future__ import annotations
 
 import functools
+from functools import partial
 from dataclasses import replace
 
 from csbp.simulator.layout import mask
@@ -171,8 +172,8 @@ class ObjectiveOps:
             x = sub.soft_embedding(x)
         scaled: dict[int, Work] = {}
         for op in self.ops[start:]:
-            if id(op.work) not in scaled:
-                scaled[id(op.work)] = _scaled(op.work, p)
+            if id(op.work) not in scaled:  # by value, once per view (candidates share the works)
+                scaled[id(op.work)] = sub.derived(("scaled", op.work, p), partial(_scaled, op.work, p))
             self.ops[op.index] = op._replace(name=f"selfcond.{op.name}", work=scaled[id(op.work)])
         return x
 

@@ -32,6 +32,29 @@ Phase = Literal["data", "forward", "recompute", "backward", "grad-sync", "optimi
 
 PerRank = tuple[float, ...]
 
+
+def _hash_once(cls):
+    """A frozen value whose hash is found once: works carry a value per representative rank
+    (hundreds at 1,024 GPUs) and are looked up by value many times (the pricing cache, the
+    per-ownership caches of the builder). Not pickled with it: a string's hash differs between
+    interpreters."""
+    by_fields = cls.__hash__
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = by_fields(self)
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    cls.__hash__, cls.__getstate__ = __hash__, __getstate__
+    return cls
+
+
+@_hash_once
 @dataclass(frozen=True)
 class Group:
     """Who takes part in one collective.
@@ -66,6 +89,7 @@ class Group:
             out[idx] = values[idx].max()
         return out
 
+@_hash_once
 @dataclass(frozen=True)
 class Compute:
     kind: ComputeKind
@@ -85,6 +109,7 @@ class Compute:
     # forward, or the dgrad and wgrad halves of its backward: linear_ops.LinearGemmOps)
     fp8_share: float = 0.0
 
+@_hash_once
 @dataclass(frozen=True)
 class Comm:
     collective: Collective

@@ -58,6 +58,16 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    with each layer's kind's segments from the one-layer-per-kind graph: per layer a few array
    operations, not its ops. The bound per rank is the larger of this and reason 1's sum
    (taken for pure CP's tight bound, where ranks are unbalanced: `busy_per_rank`).
+8. A ring's hops chain (`ring_chains`): in a layer's forward (and recompute) a rank sends on
+   the K/V it received at the step before (`AttentionOps.attention_forward`: hop s waits for
+   hop s-1), and its last step's call waits for the last hop, so the layer's segment lasts at
+   least the sum of its hops' durations (no hop starts before the segment does: the first
+   waits for the layer's input); in the backward, at least that of its K/V hops and at least
+   that of its dK/dV hops and the one home. Reason 1 then gives the step at least the sum over
+   those segments, on every rank, each layer's from one layer of its kind (reason 2), in every
+   trained stream and view pass. It reads only the hops' prices, not a graph: the rung the
+   planner climbs for a ring before its tight bound, whose graph has a call and a hop per ring
+   step and layer (hundreds at a context group of 256).
 """
 
 from __future__ import annotations
@@ -274,6 +284,49 @@ def sync_waits(graph: StepGraph, d: np.ndarray, kinds: list[int]) -> dict[str, n
                     end = step(end, part, ph)
         i = j
     return {"full": end[0], "none": end[1]}
+
+
+def ring_chains(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile) -> dict[str, float]:
+    """Seconds no engine's step of a ring plan can undercut by reason 8, with checkpointing
+    "full" and "none"; 0 where no layer's attention runs on a ring. The hops are the step
+    graph's own works (`AttentionOps.kv_work`, shared with its graphs), priced as the bounds
+    price them."""
+    from csbp.simulator.cost.cost import seconds
+    from csbp.simulator.cost.graph import _Builder
+    from csbp.simulator.workload.objectives import batch_rows
+
+    workload = workload.model_copy(update={"checkpointing": "full"})
+    layout = Layout.build(as_executed(workload, model), plan)
+    builder = _Builder(model, batch_rows(workload, model), plan, layout, profile.node.gpus_per_node,
+                       implementation=profile.implementation)
+    priced = host_crowding.fastest(profile)
+
+    def chain(s, a, phase: str, steps, payload: str | None) -> np.ndarray:
+        total = np.zeros(layout.size)
+        for step in steps:
+            work = s.kv_work(a, phase, step, payload)
+            if work is not None:
+                total = total + seconds(work, priced)
+        return total
+
+    out = {"full": np.zeros(layout.size), "none": np.zeros(layout.size)}
+    for s in builder.stream_builders():
+        for a, count in model.attention_kinds().items():
+            if s.pattern(a, "forward") != "ring" or s.ulysses("ring"):
+                continue
+            n = s.ring_steps()
+            forward = count * chain(s, a, "forward", range(n - 1), None)
+            out["none"] = out["none"] + forward
+            out["full"] = out["full"] + forward
+            if s.pattern(a, "recompute") == "ring":
+                out["full"] = out["full"] + count * chain(s, a, "recompute", range(n - 1), None)
+            if s.pattern(a, "backward") == "ring" and s.cut("ring", "backward") != "steps":
+                backward = count * np.maximum(chain(s, a, "backward", range(n - 1), "kv"),
+                                              chain(s, a, "backward", range(n), "dkv"))
+                out["none"] = out["none"] + backward
+                out["full"] = out["full"] + backward
+    passes = builder.obj.passes
+    return {ckpt: float(v.max()) * passes * (1 - ROUNDING_MARGIN) for ckpt, v in out.items()}
 
 
 def lower_bounds(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,

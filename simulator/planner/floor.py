@@ -5,12 +5,13 @@ floor, then the quick and the tight graph bound of `bounds.py`, then a simulatio
 candidates that still matter). It costs a few array operations per candidate, against a step
 graph per bound key for the graph bounds.
 
-Per layer kind, once per (model, profile, frozen router): seconds per token of the layer's
-GEMMs forward and backward on one rank at tp = 1, and seconds per attention pair forward and
-backward, each at the best rate the profile lists for that kind of op. Per candidate, per
-representative rank: those terms times the rank's tokens and attention pairs over tp (counts the
-step graph reads itself, cached per layout ownership), times the layers of each kind, plus the
-LM head, per pass; the recompute pass with full checkpointing adds the forward layers again.
+Per layer kind, once per (model, profile, frozen router, the plan family's attention kernels):
+seconds per token of the layer's GEMMs forward and backward on one rank at tp = 1, and seconds
+per attention pair forward and backward, each at the best rate the profile gives that kind of op
+there. Per candidate, per representative rank: those terms times the rank's tokens and attention
+pairs over tp (counts the step graph reads itself, cached per layout ownership), times the layers
+of each kind, plus the LM head, per pass; the recompute pass with full checkpointing adds the
+forward layers again, self-conditioning the expected share of a forward over its canvas.
 
 Why it is below both engines (and below `bounds.py`'s graph bounds):
 1. Every term is an op of the step graph with at least those FLOPs: a layer's GEMMs
@@ -19,16 +20,22 @@ Why it is below both engines (and below `bounds.py`'s graph bounds):
    mixer_gemms`, `ffn`; K/V projections replicated under TP only add FLOPs); attention is
    pairs x 4 x head_dim x heads / tp forward and 2.5x that backward, and a call's kernel tiles
    cover all of its pairs; the LM head is 2 x rows x hidden x vocab / tp, backward the same
-   ratios as `LossOps.loss_backward`.
+   ratios as `LossOps.loss_backward`. Self-conditioning (`ObjectiveOps.canvas_pass`) scales
+   a forward of every layer over its canvas view, that view's LM head and soft embedding
+   (2 x noisy rows x hidden x vocab / tp each) by the pass's probability.
 2. Each op is priced by `cost.compute_seconds` at an efficiency no higher than the one taken
-   here: the top of the GEMM curve or of any GEMM family the GPU lists; the top of the attention
-   curve times the best kernel factor at any head dimension listed (or 1 where none is), times
+   here: the top of the GEMM curve or of any GEMM family the GPU lists; for the routed experts
+   (`MoEOps.experts_work`) the implementation's expert GEMM as priced there: its grouped family
+   at the expert width, the dense curve's top per expert (`expert_rate`); the top of the
+   attention curve times the kernel factor, at the layer's head dim (every call of a layer is
+   priced at its own), of the fastest family the plan family's calls run on in that pass
+   (`attention_kernels`; the fastest the GPU lists where a family is not listed), times
    max(1, masked-tile factor) (partial tiles cost a whole tile over that factor); a per-op
    overhead is >= 0, a rank's share of a shared host's speed at most 1 (or the largest share
    measured), and an implementation's stretch beside transfers >= 1.
 3. Everything left out only adds time: norms and element-wise work, collectives and waits, the
-   embedding, soft embedding and conditioning, the self-conditioning (canvas) pass, linear
-   attention's core, a drafter's context projections and storage read, the optimizer.
+   embedding and conditioning, linear attention's core, a drafter's context projections and
+   storage read, the optimizer.
    (The storage read and host copy of a drafter's offline features run on their own reader
    streams: the floor is the larger of the compute floor and the longest reader stream,
    `reader_floor`, by `bounds.py` reason 6; issue 25.)
@@ -53,9 +60,11 @@ from csbp.simulator.cost.graph import GEMM_BACKWARD_FLOP_RATIO
 from csbp.simulator.cost.linear_ops import resolve_linear_dtype
 from csbp.simulator.layout import kv_rows, pairs
 from csbp.simulator.layout.layout import Layout
+from csbp.simulator.layout.objective_layout import canvas_view
 from csbp.simulator.plan.plan import Plan
 from csbp.simulator.planner.bounds import ROUNDING_MARGIN
 from csbp.simulator.system.hardware import HardwareProfile
+from csbp.simulator.system.implementation import load_implementation
 from csbp.simulator.workload.objectives import batch_rows, objective_shape
 from csbp.simulator.workload.spec import ModelSpec
 from csbp.simulator.workload.workload import Workload
@@ -64,10 +73,17 @@ GEMM_BACKWARD = GEMM_BACKWARD_FLOP_RATIO  # dgrad + wgrad, as the step graph pri
 ATTENTION_BACKWARD = ATTENTION_BACKWARD_FLOP_RATIO
 
 
-def top_rates(profile: HardwareProfile, fp8: bool = False) -> tuple[float, float, float] | None:
+def top_rates(profile: HardwareProfile, fp8: bool = False, head_dim: int | None = None,
+              kernels: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> tuple[float, float, float] | None:
     """(GEMM, attention forward, attention backward) FLOP/s no op of that kind is priced above
     (reason 2), or None where attention is priced as dense math. `fp8`: the blocks' linears run
-    in FP8 (`linear_ops.LinearGemmOps`), so the GEMM rate is the faster of bf16's and FP8's."""
+    in FP8 (`linear_ops.LinearGemmOps`), so the GEMM rate is the faster of bf16's and FP8's.
+    `head_dim`: attention at that head dim only (a layer kind's calls are priced at its own,
+    `cost.compute_seconds`), at the fastest kernel family there; None: at any head dim listed.
+    `kernels`: the families the plan's attention calls run on, forward (and recompute) and
+    backward (`_Builder.attend` takes each call's from the plan family's facts; the quick
+    bound the fastest of them): the fastest of those; None, or a family the GPU does not
+    list: the fastest the GPU lists."""
     gpu = profile.gpu
     if gpu.dense_attention:
         return None
@@ -79,6 +95,10 @@ def top_rates(profile: HardwareProfile, fp8: bool = False) -> tuple[float, float
         gemm = max(gemm, fp8_peak / gpu.peak_tflops * top(fp8_curve))
 
     def kernel(backward: bool) -> float:
+        if head_dim is not None:  # the fastest family the calls may run on, at this head dim
+            families = kernels[backward] if kernels else ()
+            listed = families and all(f in gpu.attention_kernels for f in families)
+            return gpu.kernel_factor("|".join(families) if listed else "best", backward, head_dim)
         best = 1.0 if not gpu.attention_kernels else 0.0
         for k in gpu.attention_kernels.values():
             for hd in (0, *(row[0] for row in k.head_dim_factors or ())):  # [[hd, fwd, bwd]]
@@ -86,42 +106,73 @@ def top_rates(profile: HardwareProfile, fp8: bool = False) -> tuple[float, float
         return best
 
     masked = max(1.0, gpu.masked_attention_efficiency_factor)
-    # ranks sharing a host run at a share of one rank's speed: measured shares above 1 count
-    peak *= max([1.0] + [y for curve in (profile.node.rank_speed or {}).values() for _, y in curve])
+    peak *= _share(profile)
     return (peak * gemm,
             peak * top(gpu.attention_forward_efficiency) * kernel(False) * masked,
             peak * top(gpu.attention_backward_efficiency) * kernel(True) * masked)
+
+
+def _share(profile: HardwareProfile) -> float:
+    """Ranks sharing a host run at a share of one rank's speed: measured shares above 1 count."""
+    return max([1.0] + [y for curve in (profile.node.rank_speed or {}).values() for _, y in curve])
+
+
+def expert_rate(profile: HardwareProfile, kernel: str, width: float) -> float:
+    """FLOP/s no routed-expert GEMM is priced above (`MoEOps.experts_work`, `cost.compute_seconds`):
+    one call per expert on the dense curve (its top), or the implementation's grouped family at
+    the expert width (`best`: the faster of that and the dense top); a family the GPU does not
+    list, the fastest it lists (pricing refuses it anyway)."""
+    gpu = profile.gpu
+    dense = max(y for _, y in gpu.gemm_efficiency)
+    if kernel == "per-expert" or not gpu.gemm_kernels:
+        eff = dense
+    elif kernel in gpu.gemm_kernels:
+        eff = gpu.grouped_gemm_efficiency(kernel, width)
+    else:
+        eff = max(dense, gpu.grouped_gemm_efficiency("best", width))
+    return gpu.peak_tflops * 1e12 * eff * _share(profile)
+
+
+def attention_kernels(profile: HardwareProfile, kind: str, transport: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The kernel families a plan family's attention calls may run on: (forward and recompute,
+    backward), every call of each pass (`implementation.Pass.kernels`)."""
+    family = load_implementation(profile.implementation).family(kind, transport)
+    passes = ((family.phase("forward"), family.phase("recompute")), (family.phase("backward"),))
+    return tuple(tuple(sorted({k for p in group for k in p.kernels.values()})) for group in passes)
 
 
 _TERMS: dict[tuple, tuple] = {}
 
 
 def kind_terms(model: ModelSpec, profile: HardwareProfile, frozen_router: bool,
-               fp8: bool = False) -> list[tuple] | None:
+               fp8: bool = False, kernels: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> list[tuple] | None:
     """Per layer kind: (layers of the kind, its window or None, whether it has softmax
     attention, GEMM seconds per token forward, backward, attention seconds per pair forward,
-    backward), at tp = 1 and one row. Once per (model, profile, frozen router): every candidate
-    of a search reads the same terms."""
-    key = (id(model), id(profile), frozen_router, fp8)
+    backward), at tp = 1 and one row; `kernels` as `top_rates`'. Once per (model, profile,
+    frozen router, kernels): every candidate of a plan family reads the same terms."""
+    key = (id(model), id(profile), frozen_router, fp8, kernels)
     hit = _TERMS.get(key)
     if hit is not None and hit[0] is model and hit[1] is profile:
         return hit[2]
-    rates = top_rates(profile, fp8)
     terms = None
-    if rates is not None:
-        gemm_rate, fwd_rate, bwd_rate = rates
+    if top_rates(profile, fp8) is not None:
         terms = []
         for a, count in model.attention_kinds().items():
+            gemm_rate, fwd_rate, bwd_rate = top_rates(profile, fp8, a.head_dim, kernels)
             router = model.hidden * model.moe.n_experts if model.moe else 0
-            params = model.mixer_params(a) + model.dense_ffn_params()
-            if model.moe:
-                params += model.moe.top_k * 3 * model.hidden * model.moe.expert_ffn + router
-            fwd = 2 * params
-            bwd = 2 * (GEMM_BACKWARD * (params - router) + (1.0 if frozen_router else GEMM_BACKWARD) * router)
+            params = model.mixer_params(a) + model.dense_ffn_params() + router
+            experts = model.moe.top_k * 3 * model.hidden * model.moe.expert_ffn if model.moe else 0
+            fwd = 2 * params / gemm_rate
+            bwd = 2 * (GEMM_BACKWARD * (params - router) + (1.0 if frozen_router else GEMM_BACKWARD) * router) / gemm_rate
+            if experts:  # the routed experts, on the implementation's expert GEMM (`expert_rate`)
+                rate = expert_rate(profile, load_implementation(profile.implementation).moe.expert_gemm,
+                                   model.moe.expert_ffn)
+                fwd += 2 * experts / rate
+                bwd += 2 * GEMM_BACKWARD * experts / rate
             softmax = a.kind != "linear"
             per_pair = 4 * a.head_dim * a.n_heads if softmax else 0
             terms.append((count, a.window if a.kind == "sliding" else None, softmax,
-                          fwd / gemm_rate, bwd / gemm_rate, per_pair / fwd_rate,
+                          fwd, bwd, per_pair / fwd_rate,
                           ATTENTION_BACKWARD * per_pair / bwd_rate))
     if len(_TERMS) > 64:
         _TERMS.clear()
@@ -136,13 +187,31 @@ def compute_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
     profile prices attention as dense math. `layout`: the plan's, as the step graph gets it."""
     obj = objective_shape(workload, model, plan)
     fp8 = resolve_linear_dtype(workload, profile.implementation) == "fp8"  # the blocks' linears
-    terms = kind_terms(model, profile, obj.frozen_router, fp8)
+    terms = kind_terms(model, profile, obj.frozen_router, fp8, attention_kernels(profile, layout.kind, plan.transport))
     if terms is None:
         return None
     mb = float(batch_rows(workload, model).micro_batch)  # the batch as the builder sees it
     tp = plan.tp
+    gemm = top_rates(profile)[0]
+    fwd, bwd = layer_terms(terms, layout, mb, tp)
     positions = kv_rows.held(layout, "positions") * mb
-    tokens = positions / tp
+    rows = positions if obj.clean_loss else kv_rows.held(layout, "noisy") * mb
+    head = 2 * rows * model.hidden * model.vocab / tp / gemm
+    head_backward = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD) + obj.head_recompute
+    none = obj.passes * (fwd + bwd + head * (1 + head_backward))
+    if obj.canvas_passes:  # self-conditioning (`ObjectiveOps.canvas_pass`): its expected forward
+        impl = load_implementation(profile.implementation)
+        view = canvas_view(layout, obj.streams != ("main",) and impl.stream_ownership == "per-stream")
+        noisy = kv_rows.held(view, "noisy") * mb  # its LM head's rows, and the soft embedding's
+        heads = 2 * noisy * model.hidden * model.vocab / tp / gemm * (1 + bool(obj.soft_embedding))
+        none = none + obj.canvas_passes * (layer_terms(terms, view, mb, tp)[0] + heads)
+    return {"none": none, "full": none + obj.passes * fwd}
+
+
+def layer_terms(terms: list[tuple], layout: Layout, mb: float, tp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, (forward, backward) seconds of every layer's GEMMs and softmax attention over
+    the layout's positions and pairs, at the rates of `kind_terms`."""
+    tokens = kv_rows.held(layout, "positions") * mb / tp
     fwd = np.zeros(layout.size)
     bwd = np.zeros(layout.size)
     for count, window, softmax, g_f, g_b, a_f, a_b in terms:
@@ -155,11 +224,7 @@ def compute_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
             p = layout.derived[key] * mb / tp
             fwd += count * p * a_f
             bwd += count * p * a_b
-    rows = positions if obj.clean_loss else kv_rows.held(layout, "noisy") * mb
-    head = 2 * rows * model.hidden * model.vocab / tp / top_rates(profile)[0]
-    head_backward = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD) + obj.head_recompute
-    none = obj.passes * (fwd + bwd + head * (1 + head_backward))
-    return {"none": none, "full": none + obj.passes * fwd}
+    return fwd, bwd
 
 
 def reader_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,

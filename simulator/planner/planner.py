@@ -28,7 +28,7 @@ from typing import get_args
 
 from csbp.simulator.plan import rules as plan_rules
 from csbp.simulator.planner.collector import collection_paused
-from csbp.simulator.planner.bounds import bound_key, keys_at_home_is_cheapest, lower_bounds
+from csbp.simulator.planner.bounds import bound_key, keys_at_home_is_cheapest, lower_bounds, ring_chains
 from csbp.simulator.planner.floor import floor_bounds
 from csbp.simulator.errors import InputError
 from csbp.simulator.system.hardware import HardwareProfile
@@ -444,8 +444,8 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     candidate can only push that last one out, an unscreened one below it can never enter).
     Candidates are taken best cap first, each climbing a ladder of bounds while it still
     matters: its compute floor (`floor.py`, no graph: every candidate starts there), the quick
-    bound (one graph per bound key, keys at home), the tighter one (its own K/V calls and
-    transfers) where its simulation is dear, then a simulation; the screen ends when no
+    bound (one graph per bound key, keys at home), for a ring its hops' chains (no graph), the
+    tighter one (its own K/V calls and transfers) where its simulation is dear, then a simulation; the screen ends when no
     candidate left matters, the rest are pruned. A cap only ever tightens and never falls below
     the candidate's tokens/s, so the ladder reports what the exhaustive screen does. Ties in
     rank_key keep the enumeration order, as the exhaustive sort does. `counts`: the bounds
@@ -462,6 +462,10 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     counts = {} if counts is None else counts
     tight = [not home or c.plan.cp == 1 or (c.plan.transport != "ring" and c.plan.ctx <= node)
              for c in fitting]
+    # before a ring's tight bound (a call and a hop per ring step and layer), its hops' chains
+    # (`bounds.ring_chains`: their prices alone), which rule out most long rings
+    chained = [t or c.plan.transport != "ring" for t, c in zip(tight, fitting)]
+    chains: dict[tuple, dict[str, float]] = {}
     tokens = [c.workload.seq_len * c.workload.micro_batch * c.plan.sequences for c in fitting]
     # rung 0: every candidate's compute floor (it depends on neither transport nor checkpointing)
     floors: dict[tuple, dict[str, float] | None] = {}
@@ -522,18 +526,21 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
             if not fits(cand):
                 dropped.add(i)
                 continue
-        if not quick[i] or not tight[i]:  # the next rung up: the quick bound, then the tight one
-            at_home = not quick[i]
-            if at_home:
+        if not quick[i] or not tight[i]:  # the next rung up: quick, a ring's chains, tight
+            rung = "quick" if not quick[i] else "chain" if not chained[i] else "tight"
+            if rung == "quick":
                 quick[i] = True
+            elif rung == "chain":
+                chained[i] = True
             else:
                 tight[i] = True
-            key = bound_key(cand.plan, cand.workload, profile, keys_at_home=at_home)
-            if key not in bounds:
-                bounds[key] = _lower_bounds(model, profile, key)
-                rung = "quick" if at_home else "tight"
+            key = bound_key(cand.plan, cand.workload, profile, keys_at_home=rung == "quick")
+            found = chains if rung == "chain" else bounds
+            if key not in found:
+                found[key] = ring_chains(model, key[1], key[0], profile) if rung == "chain" \
+                    else _lower_bounds(model, profile, key)
                 counts[rung] = counts.get(rung, 0) + 1
-            cap[i] = min(cap[i], _cap(tokens[i], bounds[key][cand.workload.checkpointing]))
+            cap[i] = min(cap[i], _cap(tokens[i], found[key][cand.workload.checkpointing]))
             heapq.heappush(heaps[_groups(cand.plan, baseline_only)], (-cap[i], i))
             continue
         done.add(i)
