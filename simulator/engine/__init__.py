@@ -143,17 +143,17 @@ def summarize(graph: StepGraph, timeline: Timeline, d: np.ndarray, with_trace: b
 def _phase_index(graph: StepGraph) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(phase names, compute op indices and their phase codes, the same for transfers), once per graph."""
     if "phases" not in graph._arrays:
-        names = list(dict.fromkeys(["grad-sync"] + [op.phase for op in graph.ops]))
+        phase_of = [op.phase for op in graph.ops]
+        names = list(dict.fromkeys(["grad-sync"] + phase_of))
         code = {name: i for i, name in enumerate(names)}
-        is_comm = [isinstance(op.work, Comm) for op in graph.ops]
         # the io stream (a background reader) is neither the compute stream nor a transfer
         from csbp.simulator.engine.program import streams
 
         stream = streams(graph)
-        split = ([i for i, c in enumerate(is_comm) if not c and stream[i] == "compute"],
-                 [i for i, c in enumerate(is_comm) if c])
+        split = ([i for i, on in enumerate(stream) if on == "compute"],
+                 [i for i, on in enumerate(stream) if on == "comm"])
         graph._arrays["phases"] = (names, *(a for idx in split for a in (
-            np.array(idx, dtype=np.intp), np.array([code[graph.ops[i].phase] for i in idx], dtype=np.intp))))
+            np.array(idx, dtype=np.intp), np.array([code[phase_of[i]] for i in idx], dtype=np.intp))))
     return graph._arrays["phases"]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from csbp.simulator.cost.graph import Comm, Group, StepGraph
+from csbp.simulator.cost.step_ops import IO_STREAMS as IO_STREAM_OF  # compute kind -> stream
 
 
 def program(graph: StepGraph) -> list[tuple[bool, tuple | None, np.ndarray | None]]:
@@ -187,8 +188,10 @@ IO_STREAMS = ("io", "h2d")
 
 def streams(graph: StepGraph) -> list[str]:
     """Per op, the stream it runs on (`Op.stream`), read once per graph for every pass below."""
-    if "streams" not in graph._arrays:
-        graph._arrays["streams"] = [op.stream for op in graph.ops]
+    if "streams" not in graph._arrays:  # per distinct work, then per op
+        works, which = graph.works()
+        of_work = ["comm" if isinstance(w, Comm) else IO_STREAM_OF.get(w.kind, "compute") for w in works]
+        graph._arrays["streams"] = [of_work[w] for w in which.tolist()]
     return graph._arrays["streams"]
 
 
