@@ -444,8 +444,10 @@ class AttentionOps:
         engines price it once)."""
         def shared() -> Comm | None:
             group = self.g_ring if self.pattern(a, phase) == "ring" else self.g_cp  # the one it moves on
+            f = self.facts(phase)  # what kv_comm reads of them
             return self.derived(("kv-comm", a, phase, step, payload, self.lay.plan.transport, self.lay.checkpointing,
-                                 self.keys_at_home, self.tp, self.w.micro_batch, self.dt, self.impl.name, group),
+                                 self.keys_at_home, self.tp, self.w.micro_batch, self.dt, group,
+                                 f.pad_to_largest_shard, f.gradient_bytes, f.kv_heads),
                                 lambda: self.kv_comm(a, phase, step, payload))
         return self.cached(("kv", a, phase, step, payload), shared)
 
