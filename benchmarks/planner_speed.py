@@ -16,7 +16,7 @@ process (a cold start, as a fresh `csbp plan` has: no layout, split or price cac
 modules it needs imported before the clock starts; min / median / max over `--repeat` runs, and
 the median CPU-seconds (the forked baseline search's included: steadier on a shared host). Per
 row also: candidates, those that fit in memory, pruned, screened by the closed form, re-scored
-by the event engine, and the lower bounds computed by kind (floors, quick, ring chains, tight) where the
+by the event engine, and the lower bounds computed by kind (floors, floors with EP waits, quick, ring chains, tight) where the
 planner reports them. The load average is printed before, per row and after: other work on the
 host shows up directly in the times. Not a timed test; run:
 
@@ -161,7 +161,7 @@ def main() -> None:
     print("goal: the whole csbp.plan (median); 'cpu s': its median CPU-seconds, the forked baseline search "
           "included; 'search' is the main search alone (found.seconds)")
     print(f"{'model':>24} {'GPUs':>5} {'cands':>6} {'fit':>5} {'pruned':>6} {'scrnd':>5} {'rescd':>5} "
-          f"{'bounds f/q/c/t':>15}  {'plan min/med/max s':>20}  {'cpu s':>6}  {'search med s':>12}  goal")
+          f"{'bounds f/w/q/c/t':>19}  {'plan min/med/max s':>20}  {'cpu s':>6}  {'search med s':>12}  goal")
     for gpus in sizes:
         for model in models:
             runs, before = [], []
@@ -185,11 +185,11 @@ def main() -> None:
             plans = sorted(x["plan_s"] for x in runs)
             med = statistics.median(plans)
             b = r["bounds"]
-            bounds = "-" if not b else f"{b.get('floor', 0)}/{b.get('quick', 0)}/{b.get('chain', 0)}/{b.get('tight', 0)}"
+            bounds = "-" if not b else "/".join(str(b.get(k, 0)) for k in ("floor", "waits", "quick", "chain", "tight"))
             g = goal(model, r.get("gpus", gpus))
             verdict = "-" if g is None else f"<= {g:g} s {'met' if med <= g else 'MISSED'}"
             print(f"{model:>24} {gpus:>5} {r['candidates']:>6} {r['feasible']:>5} {r['pruned']:>6} "
-                  f"{r['screened']:>5} {r['rescored']:>5} {bounds:>15}  "
+                  f"{r['screened']:>5} {r['rescored']:>5} {bounds:>19}  "
                   f"{plans[0]:6.2f} {med:6.2f} {plans[-1]:6.2f}  {_cpu_median(runs):>6}  "
                   f"{statistics.median(x['search_s'] for x in runs):12.2f}  {verdict}  "
                   f"(load {_load()}; {r['recommended']})", flush=True)

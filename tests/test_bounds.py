@@ -62,8 +62,8 @@ def test_bounds_are_below_both_engines(name, seq_len, nodes, hardware, every):
 
 
 def _floor(model, cand, profile):
-    found = floor_bounds(model, cand.workload, cand.plan, profile,
-                         Layout.build(as_executed(cand.workload, model), cand.plan))
+    found = floor_bounds(model, cand.workload, cand.plan, profile,  # with EP waits: the tighter one
+                         Layout.build(as_executed(cand.workload, model), cand.plan), with_waits=True)
     return None if found is None else found[cand.workload.checkpointing]
 
 

@@ -41,6 +41,11 @@ Why it is below both engines (and below `bounds.py`'s graph bounds):
    `reader_floor`, by `bounds.py` reason 6; issue 25.)
 4. By reason 1 of `bounds.py`, a rank's compute stream lasts at least the sum of its compute
    ops; the step at least its busiest rank's; lowered by `bounds.ROUNDING_MARGIN`.
+5. With EP, each MoE layer's stream also idles while its dispatch and combine move the rows
+   (`ep_waits`): those idle stretches lie between its compute ops, so they add to point 4's sum
+   (a compute op beside the dispatch that runs slower there only lengthens the stretch). The
+   planner adds them as a rung of its own (`floor_bounds(with_waits=True)`), only for the plans
+   it takes up: they need the step builder's transfers.
 
 Mechanisms added to the step graph later (more ops, waits, copies, padding) only raise the step
 and so keep the floor valid, as long as no op's FLOPs fall below the formulas of point 1 and no
@@ -208,6 +213,50 @@ def compute_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
     return {"none": none, "full": none + obj.passes * fwd}
 
 
+def ep_waits(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
+             layout: Layout) -> dict[str, np.ndarray] | None:
+    """Per representative rank, seconds the compute stream idles at least for the EP
+    all-to-alls of every MoE layer, in each pass of each trained stream, with checkpointing
+    "full" and "none"; None without EP (reason 5). `MoEOps.moe_ffn` appends in program order
+    the route copy, the dense branch where it runs beside the dispatch, the dispatch, the
+    experts waiting for it, the combine, the copy back waiting for it and the dense branch of
+    `dense_overlaps: combine`: the stream idles at least max(0, dispatch - dense) before the
+    experts (the dense branch is the only compute op between), and the combine before the copy
+    back (nothing between). Without a copy back the combine is first waited on by the next
+    layer, outside this layer's segment (`bounds.py` reason 1), so it is left out, as the graph
+    bounds leave it out: the floor stays below them. The transfers are the builder's own works,
+    priced as the bounds price them."""
+    if model.moe is None or plan.ep <= 1:
+        return None
+    from csbp.simulator.cost.cost import seconds
+    from csbp.simulator.cost.graph import _Builder
+    from csbp.simulator.engine import host_crowding
+
+    builder = _Builder(model, batch_rows(workload, model), plan, layout, profile.node.gpus_per_node,
+                       implementation=profile.implementation)
+    priced = host_crowding.fastest(profile)
+    early = builder.impl.moe.dense_overlaps == "dispatch"
+    h, dense_ffn = model.hidden, model.moe.dense_ffn
+
+    def took(work) -> np.ndarray | float:
+        return seconds(work, priced) if work is not None else 0.0
+
+    per_pass = {False: np.zeros(layout.size), True: np.zeros(layout.size)}  # forward, backward
+    for s in builder.stream_builders():
+        for backward in (False, True):
+            dispatch = took(s.ep_exchange(backward, not backward))
+            if early and dense_ffn:  # the dense branch as moe_ffn makes it (priced no lower)
+                ratio = GEMM_BACKWARD if backward else 1.0
+                dispatch = np.maximum(dispatch - took(s.gemm(ratio * 2 * s.tokens * 3 * h * dense_ffn / s.tp,
+                                                             4 if backward else 2)), 0.0)
+            # the combine is waited on inside the layer only by the copy back
+            combine = took(s.ep_exchange(backward, False)) if s.route_copies() is not None else 0.0
+            per_pass[backward] = per_pass[backward] + dispatch + combine
+    layers = len(model.layers) * builder.obj.passes
+    none = layers * (per_pass[False] + per_pass[True])
+    return {"none": none, "full": none + layers * per_pass[False]}  # the recompute runs the forward's
+
+
 def layer_terms(terms: list[tuple], layout: Layout, mb: float, tp: int) -> tuple[np.ndarray, np.ndarray]:
     """Per rank, (forward, backward) seconds of every layer's GEMMs and softmax attention over
     the layout's positions and pairs, at the rates of `kind_terms`."""
@@ -257,12 +306,17 @@ def reader_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: Hard
 
 
 def floor_bounds(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
-                 layout: Layout) -> dict[str, float] | None:
+                 layout: Layout, with_waits: bool = False) -> dict[str, float] | None:
     """Seconds no engine's step of this plan can undercut, by checkpointing; None: no floor.
-    The compute floor, or a reader stream where that is longer (`reader_floor`)."""
+    The compute floor, or a reader stream where that is longer (`reader_floor`). `with_waits`:
+    with the EP waits added (reason 5; the planner's second rung, as it builds a step builder
+    per plan: where the plan has no EP, the floor itself)."""
     busy = compute_floor(model, workload, plan, profile, layout)
     if busy is None:
         return None
+    waits = ep_waits(model, workload, plan, profile, layout) if with_waits else None
+    if waits is not None:
+        busy = {ckpt: b + waits[ckpt] for ckpt, b in busy.items()}
     readers = reader_floor(model, workload, plan, profile, layout)
     if readers is not None:
         busy = {ckpt: np.maximum(b, readers) for ckpt, b in busy.items()}

@@ -443,8 +443,9 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     tokens/s) reaches what the last of them in one of its groups has so far (as a screened
     candidate can only push that last one out, an unscreened one below it can never enter).
     Candidates are taken best cap first, each climbing a ladder of bounds while it still
-    matters: its compute floor (`floor.py`, no graph: every candidate starts there), the quick
-    bound (one graph per bound key, keys at home), for a ring its hops' chains (no graph), the
+    matters: its compute floor (`floor.py`, no graph: every candidate starts there), with EP its
+    floor with the all-to-all waits, the quick bound (one graph per bound key, keys at home),
+    for a ring its hops' chains (no graph), the
     tighter one (its own K/V calls and transfers) where its simulation is dear, then a simulation; the screen ends when no
     candidate left matters, the rest are pruned. A cap only ever tightens and never falls below
     the candidate's tokens/s, so the ladder reports what the exhaustive screen does. Ties in
@@ -470,6 +471,8 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     # rung 0: every candidate's compute floor (it depends on neither transport nor checkpointing)
     floors: dict[tuple, dict[str, float] | None] = {}
     cap, quick = [], []  # quick[i]: the candidate's quick bound is in its cap
+    waited, floor_keys = [], []  # waited[i]: its EP waits are in its cap (or it has none)
+    with_waits: dict[tuple, dict[str, float]] = {}
     unchecked = [fits is not None] * len(fitting)  # memory not checked yet (`fits`)
     dropped: set[int] = set()  # found not to fit
     for i, (cand, n) in enumerate(zip(fitting, tokens)):
@@ -482,6 +485,9 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         floor = floors[key]
         cap.append(_cap(n, floor[cand.workload.checkpointing]) if floor else math.inf)
         quick.append(floor is None)
+        floor_keys.append(key)
+        # the next rung of a MoE plan with EP: its floor with the all-to-all waits (floor.ep_waits)
+        waited.append(floor is None or model.moe is None or cand.plan.ep == 1)
         if floor is None and unchecked[i]:  # its quick bound comes at once: check it first
             unchecked[i] = False
             if not fits(cand):
@@ -526,7 +532,17 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
             if not fits(cand):
                 dropped.add(i)
                 continue
-        if not quick[i] or not tight[i]:  # the next rung up: quick, a ring's chains, tight
+        if not waited[i]:  # the next rung up: the floor with EP waits, quick, a ring's chains, tight
+            waited[i] = True
+            key = floor_keys[i]
+            if key not in with_waits:
+                with_waits[key] = floor_bounds(model, key[1], key[0], profile,
+                                               Layout.build(as_executed(key[1], model), key[0]), with_waits=True)
+                counts["waits"] = counts.get("waits", 0) + 1
+            cap[i] = min(cap[i], _cap(tokens[i], with_waits[key][cand.workload.checkpointing]))
+            heapq.heappush(heaps[_groups(cand.plan, baseline_only)], (-cap[i], i))
+            continue
+        if not quick[i] or not tight[i]:
             rung = "quick" if not quick[i] else "chain" if not chained[i] else "tight"
             if rung == "quick":
                 quick[i] = True
@@ -579,7 +595,7 @@ def _variant_matters(model: ModelSpec, profile: HardwareProfile, cand: Candidate
     tokens = cand.workload.seq_len * cand.workload.micro_batch * cand.plan.sequences
     ckpt = cand.workload.checkpointing
     floor = floor_bounds(model, cand.workload, cand.plan, profile,
-                         Layout.build(as_executed(cand.workload, model), cand.plan))
+                         Layout.build(as_executed(cand.workload, model), cand.plan), with_waits=True)
     counts["floor"] = counts.get("floor", 0) + 1
     if floor is not None and _cap(tokens, floor[ckpt]) < bar:
         return False
