@@ -463,11 +463,13 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     counts = {} if counts is None else counts
     tight = [not home or c.plan.cp == 1 or (c.plan.transport != "ring" and c.plan.ctx <= node)
              for c in fitting]
-    # before a pure CP ring's tight bound (a call and a hop per ring step and layer), its hops'
-    # chains (`bounds.ring_chains`: their prices alone), which rule out most long ones; under
-    # BP/CSBP only the clean shards hop and their chains stay below the quick bound (DiffusionGemma
-    # on 1,024 GPUs: 0.54 s against 0.57 s at cp = bp = 256), so they go straight to the tight one
-    chained = [t or c.plan.transport != "ring" or c.plan.bp > 1 for t, c in zip(tight, fitting)]
+    # before the tight bound of a pure CP ring wider than a node (a call and a hop per ring step
+    # and layer), its hops' chains (`bounds.ring_chains`: their prices alone), which rule out
+    # most such rings; under BP/CSBP only the clean shards hop and their chains stay below the
+    # quick bound (DiffusionGemma on 1,024 GPUs: 0.54 s against 0.57 s at cp = bp = 256), and a
+    # ring inside a node has a cheap tight graph: they go straight to the tight one
+    chained = [t or c.plan.transport != "ring" or c.plan.bp > 1 or c.plan.ctx <= node
+               for t, c in zip(tight, fitting)]
     chains: dict[tuple, dict[str, float]] = {}
     tokens = [c.workload.seq_len * c.workload.micro_batch * c.plan.sequences for c in fitting]
     # rung 0: every candidate's compute floor (it depends on neither transport nor checkpointing)
