@@ -402,6 +402,13 @@ def _rank_main(rank: int, world: int, init: str, jobs: list, device: str, timeou
     except Exception as err:  # noqa: BLE001 - any failure must reach the parent, not hang it
         failure = err if isinstance(err, RankFailure) else RankFailure(rank, None, err)
         conn.send(("failed", (str(failure), failure.secondary)))
+        # reported: leave without tearing the process group down. Its peers may still be inside
+        # a collective, and destroying it (or the interpreter's exit) with their work pending
+        # leaves a C++ thread joinable, whose std::terminate prints a line of its own on the
+        # stderr the user reads ("terminate called without an active exception"; seen under load)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
