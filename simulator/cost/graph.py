@@ -76,9 +76,15 @@ class StepGraph:
 
         The builder sees the batch as the GPU runs it (`objectives.batch_rows`: an objective's
         rows per example are rows of the batch)."""
-        return _Builder(model, batch_rows(workload, model), plan, layout, gpus_per_node,
-                        one_bucket=one_bucket, keys_at_home=keys_at_home,
-                        implementation=implementation).build()
+        return cls.builder(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket,
+                           keys_at_home=keys_at_home, implementation=implementation).build()
+
+    @staticmethod
+    def builder(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout, gpus_per_node: int,
+                **options) -> "_Builder":
+        """The builder `build` runs, before it appends any op: the planner's bounds read single
+        works of it (a ring's hops, the EP all-to-alls, a drafter's reader ops) without a graph."""
+        return _Builder(model, batch_rows(workload, model), plan, layout, gpus_per_node, **options)
 
     def flops(self, include_recompute: bool = True) -> np.ndarray:
         """FLOPs each representative rank executes in one step."""

@@ -227,7 +227,7 @@ _ESTIMATES: dict[tuple, tuple[ModelSpec, HardwareProfile, MemoryEstimate]] = {}
 
 def estimate_memory(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                     profile: HardwareProfile) -> MemoryEstimate:
-    """Every rank's peak from one walk of the step (`memory_timeline.walk`). Kept for the
+    """Every rank's peak from one walk of the step (`memory_timeline.walk_activations`). Kept for the
     last plans asked: a search asks again for the same plan at each placement of its group,
     which changes links, not bytes."""
     key = (id(model), id(profile), workload, plan.dp, plan.tp, plan.ep, plan.cp, plan.bp,

@@ -710,22 +710,14 @@ class StepBytes:
                         lambda: [g + tuple(values[t] for t in ts) for g, ts in zip(acts.groups, terms)])
 
 
-def walk(model: ModelSpec, layout: Layout, sizes: Sizes, weights: WeightState, eager: bool,
-         checkpointing: bool, loss: np.ndarray | float, context: np.ndarray | float = 0.0,
-         zero: int = 0, retained: RetainedEncoder | None = None,
-         loss_backward: np.ndarray | float | None = None) -> Timeline:
-    """The step in program order (module docstring); returns every moment with its bytes.
-    `retained`: DiffusionGemma's encoder K/V and checkpoints held for the decoder (section 12)."""
-    return walk_activations(model, layout, sizes, eager, checkpointing, loss, context, zero, retained,
-                            loss_backward, synced=weights.replicas > 1).timeline(weights)
-
-
 def walk_activations(model: ModelSpec, layout: Layout, sizes: Sizes, eager: bool,
                      checkpointing: bool, loss: np.ndarray | float, context: np.ndarray | float = 0.0,
                      zero: int = 0, retained: RetainedEncoder | None = None,
                      loss_backward: np.ndarray | float | None = None, synced: bool = True) -> StepBytes:
-    """`walk` without the weight state: the moments, the activations' bytes and the weight
-    terms alive at each. `synced`: gradients are summed over replicas (dp x ctx x ep > 1)."""
+    """The step in program order (module docstring) without the weight state: the moments, the
+    activations' bytes and the weight terms alive at each (`StepBytes.timeline` adds a weight
+    state's bytes). `synced`: gradients are summed over replicas (dp x ctx x ep > 1).
+    `retained`: DiffusionGemma's encoder K/V and checkpoints held for the decoder (section 12)."""
     tl = Timeline(len(sizes.tokens))
     terms: list[tuple] = []
     shape = _layer_structure(model)

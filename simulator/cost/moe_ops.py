@@ -48,6 +48,15 @@ class MoEOps:
         work = self.gemm(flops, calls)
         return replace(work, kernel=f.expert_gemm, shape_x=float(moe.expert_ffn))
 
+    def dense_branch(self, backward: bool) -> Compute | None:
+        """The dense SwiGLU beside the experts (its GEMMs; dgrad and wgrad backward), or None."""
+        moe = self.m.moe
+        if not moe.dense_ffn:
+            return None
+        ratio = _BACKWARD if backward else 1.0
+        return self.gemm(ratio * 2 * self.tokens * 3 * self.m.hidden * moe.dense_ffn / self.tp,
+                         4 if backward else 2)
+
     def route_copies(self) -> Compute | None:
         """Route-expanded copies of the rows (index_select and its backward): full read + write
         passes over rows x top-k x hidden."""
@@ -75,9 +84,7 @@ class MoEOps:
             router = self.add("ep.counts", phase, li, c("ep-counts", lambda: self.comm(
                 "all-to-all", moe.n_experts * COUNT_BYTES * (ep - 1) / ep, self.g_ep, "ep")), router)
             router = self.add("moe.host-sync", phase, li, c("moe-sync", self.host_syncs), router)
-        dense_work = c(("dense", backward), lambda: self.gemm(
-            ratio * 2 * self.tokens * 3 * h * moe.dense_ffn / self.tp, 4 if backward else 2)) \
-            if moe.dense_ffn else None
+        dense_work = c(("dense", backward), lambda: self.dense_branch(backward))
         copy = c("moe-route-copy", self.route_copies)
         routed = self.add("moe.route-copy", phase, li, copy, router)
         early = f.dense_overlaps == "dispatch"  # computed while the dispatch moves the rows

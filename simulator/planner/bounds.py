@@ -292,13 +292,11 @@ def ring_chains(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardw
     graph's own works (`AttentionOps.kv_work`, shared with its graphs), priced as the bounds
     price them."""
     from csbp.simulator.cost.cost import seconds
-    from csbp.simulator.cost.graph import _Builder
-    from csbp.simulator.workload.objectives import batch_rows
 
     workload = workload.model_copy(update={"checkpointing": "full"})
     layout = Layout.build(as_executed(workload, model), plan)
-    builder = _Builder(model, batch_rows(workload, model), plan, layout, profile.node.gpus_per_node,
-                       implementation=profile.implementation)
+    builder = StepGraph.builder(model, workload, plan, layout, profile.node.gpus_per_node,
+                                implementation=profile.implementation)
     priced = host_crowding.fastest(profile)
 
     def chain(s, a, phase: str, steps, payload: str | None) -> np.ndarray:

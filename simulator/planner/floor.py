@@ -61,7 +61,7 @@ from __future__ import annotations
 import numpy as np
 
 from csbp.simulator.cost.attention_ops import ATTENTION_BACKWARD_FLOP_RATIO
-from csbp.simulator.cost.graph import GEMM_BACKWARD_FLOP_RATIO
+from csbp.simulator.cost.graph import GEMM_BACKWARD_FLOP_RATIO, StepGraph
 from csbp.simulator.cost.linear_ops import resolve_linear_dtype
 from csbp.simulator.layout import kv_rows, pairs
 from csbp.simulator.layout.layout import Layout
@@ -229,14 +229,12 @@ def ep_waits(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     if model.moe is None or plan.ep <= 1:
         return None
     from csbp.simulator.cost.cost import seconds
-    from csbp.simulator.cost.graph import _Builder
     from csbp.simulator.engine import host_crowding
 
-    builder = _Builder(model, batch_rows(workload, model), plan, layout, profile.node.gpus_per_node,
-                       implementation=profile.implementation)
+    builder = StepGraph.builder(model, workload, plan, layout, profile.node.gpus_per_node,
+                                implementation=profile.implementation)
     priced = host_crowding.fastest(profile)
     early = builder.impl.moe.dense_overlaps == "dispatch"
-    h, dense_ffn = model.hidden, model.moe.dense_ffn
 
     def took(work) -> np.ndarray | float:
         return seconds(work, priced) if work is not None else 0.0
@@ -245,10 +243,8 @@ def ep_waits(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardware
     for s in builder.stream_builders():
         for backward in (False, True):
             dispatch = took(s.ep_exchange(backward, not backward))
-            if early and dense_ffn:  # the dense branch as moe_ffn makes it (priced no lower)
-                ratio = GEMM_BACKWARD if backward else 1.0
-                dispatch = np.maximum(dispatch - took(s.gemm(ratio * 2 * s.tokens * 3 * h * dense_ffn / s.tp,
-                                                             4 if backward else 2)), 0.0)
+            if early:  # the dense branch beside it, moe_ffn's own work
+                dispatch = np.maximum(dispatch - took(s.dense_branch(backward)), 0.0)
             # the combine is waited on inside the layer only by the copy back
             combine = took(s.ep_exchange(backward, False)) if s.route_copies() is not None else 0.0
             per_pass[backward] = per_pass[backward] + dispatch + combine
@@ -292,11 +288,10 @@ def reader_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: Hard
     if getattr(obj, "features", None) != "offline" or not obj.stored_bytes_per_token(model):
         return None
     from csbp.simulator.cost.cost import seconds
-    from csbp.simulator.cost.graph import _Builder  # the builder's own reader ops
     from csbp.simulator.engine.program import IO_STREAMS
 
-    builder = _Builder(model, batch_rows(workload, model), plan, layout, profile.node.gpus_per_node,
-                       implementation=profile.implementation)
+    builder = StepGraph.builder(model, workload, plan, layout, profile.node.gpus_per_node,  # its reader ops
+                                implementation=profile.implementation)
     builder.feature_io(())
     streams: dict[str, np.ndarray] = {}
     for op in builder.ops:

@@ -445,8 +445,8 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     Candidates are taken best cap first, each climbing a ladder of bounds while it still
     matters: its compute floor (`floor.py`, no graph: every candidate starts there), with EP its
     floor with the all-to-all waits, the quick bound (one graph per bound key, keys at home),
-    for a ring its hops' chains (no graph), the
-    tighter one (its own K/V calls and transfers) where its simulation is dear, then a simulation; the screen ends when no
+    for a long ring its hops' chains (no graph), the tighter one (its own K/V calls and
+    transfers) where its simulation is dear, then a simulation; the screen ends when no
     candidate left matters, the rest are pruned. A cap only ever tightens and never falls below
     the candidate's tokens/s, so the ladder reports what the exhaustive screen does. Ties in
     rank_key keep the enumeration order, as the exhaustive sort does. `counts`: the bounds
