@@ -60,7 +60,7 @@ def slowest(values: np.ndarray, sync: Sync) -> np.ndarray:
     ranks in no set keep their own value. `values` [..., ranks]: each row on its own (the bounds
     run two checkpointing settings at once)."""
     if sync.whole:
-        return np.broadcast_to(values.max(axis=-1, keepdims=True), values.shape).copy()
+        return np.repeat(values.max(axis=-1, keepdims=True), values.shape[-1], axis=-1)
     out = values.copy()
     out[..., sync.order] = np.repeat(np.maximum.reduceat(values[..., sync.order], sync.starts, axis=-1),
                                      sync.sizes, axis=-1)
@@ -94,6 +94,9 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     io_free = {}
     if stretch is not None and (not overlap or not (stretch > 1).any()):
         stretch = None
+    # no transfer still running past the compute stream on any rank: nothing to stretch until a
+    # transfer is issued (the compute stream only moves later, so the test once true stays true)
+    calm = stretch is None
     for i, deps, kind, sync, peer, chain in steps(graph, overlap, queue_comm):
         took = d[i]
         if deps:
@@ -104,18 +107,20 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
             ready = zero
         if kind is _COMPUTE:
             begin = compute_free if ready is compute_free else maximum(compute_free, ready)
+            if not calm and not (comm_until > begin).any():
+                calm = True
             if chain is None:
-                if stretch is not None and (comm_until > begin).any():
-                    end = compute_free = _stretched(begin, took, comm_until, stretch[i])
-                else:
+                if calm:
                     end = compute_free = begin + took
-            elif stretch is not None and (comm_until > begin).any():
+                else:
+                    end = compute_free = _stretched(begin, took, comm_until, stretch[i])
+            elif not calm:
                 rest = chain[:0]  # op by op: each one's part beside the transfers runs slower ...
                 for k, j in enumerate(chain.tolist()):
                     start[j] = begin
                     begin = finish[j] = _stretched(begin, d[j], comm_until, stretch[j])
                     if not (comm_until > begin).any():  # ... until they have ended on every rank
-                        rest = chain[k + 1:]
+                        rest, calm = chain[k + 1:], True
                         break
                 if rest.size:  # then back to back: `_stretched` with no window is begin + took
                     compute_free = _back_to_back(rest, begin, d, start, finish)
@@ -142,7 +147,7 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
             elif queue_comm:
                 comm_free = end
             if stretch is not None:
-                comm_until = maximum(comm_until, end)
+                comm_until, calm = maximum(comm_until, end), False
         else:  # the host/storage path: its own stream, waited on by nobody (`Op.stream`)
             begin = maximum(io_free.get(kind, zero), ready)
             end = io_free[kind] = begin + took
