@@ -61,13 +61,70 @@ def test_one_pass_is_the_event_queue_bit_for_bit(name, model, plan, kw, h200):
     IEEE operations (max, +, the stretch's * and /) on the same durations in the same order
     (np.cumsum accumulates op after op), which round alike on every CPU; nothing here goes
     through a transcendental function or a reduction whose order a library picks."""
-    from csbp.simulator.engine import des, durations
+    from csbp.simulator.engine import des, durations, program
 
     g = graph(model, plan, **{"seq_len": 16 * 1024, **kw})
     d = durations(g, h200)
-    for overlap in (True, False):
-        fast, events = des.run(g, d, overlap), des.run_events(g, d, overlap)
-        assert np.array_equal(fast.start, events.start) and np.array_equal(fast.finish, events.finish)
+    for overlap in (True, False):  # every layer walked (repeats: a shift, equal up to rounding)
+        fast = program.run(g, d, overlap, queue_comm=True, repeats=False)
+        events = des.run_events(g, d, overlap)
+        assert np.array_equal(fast[0], events.start) and np.array_equal(fast[1], events.finish)
+
+
+REPEAT_CASES = [("csbp-ring", M8, Plan(dp=2, cp=32, bp=32, transport="ring"), "turbo-dllm"),
+                ("cp-ring", M8, Plan(cp=16, transport="ring"), "turbo-dllm"),
+                ("ep-ring", GEMMA, Plan(ep=2, cp=8, bp=8, transport="ring"), "turbo-dllm")]
+
+
+@pytest.mark.floats
+@pytest.mark.parametrize("name,model,plan,impl", REPEAT_CASES, ids=[c[0] for c in REPEAT_CASES])
+def test_repeated_layers_are_the_walked_ones_shifted(name, model, plan, impl, h200, monkeypatch):
+    """A stamped layer that enters as an earlier one did, shifted, is timed as that one shifted
+    (`program._Repeats`): both engines, with and without interference, every op's start and
+    finish within rel 1e-9 of the step of the walk that times every layer. Basis: each repeated
+    layer moves its times by at most REPEAT_TOLERANCE (1e-12) of the step plus rounding, not
+    compounding (each is shifted from a walked one), over < 200 layers and passes: <= 2e-10."""
+    from csbp.simulator.engine import durations, program, stretch
+
+    g = graph(model, plan, seq_len=K256, implementation=impl)
+    hits = []
+    made = program._Repeats
+
+    class Counted(made):
+        def __init__(self, *args):
+            super().__init__(*args)
+            hits.append(self)
+
+    monkeypatch.setattr(program, "_Repeats", Counted)
+    for profile in (h200, without_interference(h200)):
+        d, s = durations(g, profile), stretch(g, profile)
+        for queue_comm in (True, False):
+            walked = program.run(g, d, True, queue_comm, s, repeats=False)
+            repeated = program.run(g, d, True, queue_comm, s)
+            step = walked[1].max()
+            for a, b in zip(walked, repeated):
+                assert np.abs(a - b).max() <= 1e-9 * step
+    assert sum(r.hits for r in hits) > 0  # the shortcut was taken (else this tests nothing)
+
+
+@pytest.mark.floats
+@pytest.mark.parametrize("name,model,plan,kw", ENGINE_CASES, ids=[c[0] for c in ENGINE_CASES])
+def test_chains_are_timed_as_single_ops(name, model, plan, kw, h200, monkeypatch):
+    """Ops timed as a chain from its first op (`program.chained_ops`) get the times each would
+    get on its own, interference included: a transfer issued between two of them may run beside
+    the later one, so a chain ends there. Rel 1e-12 of the step: the same additions and maxima
+    in the same order (equal today); the stretch's product and division rounding alike."""
+    from csbp.simulator.engine import durations, program, stretch
+
+    g = graph(model, plan, **{"seq_len": 16 * 1024, **kw})
+    d, s = durations(g, h200), stretch(g, h200)
+    chained = {q: program.run(g, d, True, q, s, repeats=False) for q in (True, False)}
+    monkeypatch.setattr(program, "chained_ops", lambda *args, **kw: {})
+    g._arrays.clear()
+    for q, (start, finish) in chained.items():
+        single = program.run(g, d, True, q, s, repeats=False)
+        assert np.abs(single[0] - start).max() <= 1e-12 * finish.max()
+        assert np.abs(single[1] - finish).max() <= 1e-12 * finish.max()
 
 
 @pytest.mark.floats

@@ -17,6 +17,7 @@ stream's issue order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import count
 
 import numpy as np
 
@@ -44,6 +45,8 @@ from csbp.simulator.cost.step_ops import (COUNT_BYTES, LOSS_BYTES, Category, Col
                                      ComputeKind, Deps, Group, Op, PerRank, Phase, Work)
 from csbp.simulator.workload.workload import Workload
 
+_TEMPLATE_IDS = count()
+
 # Training does dgrad + wgrad: a linear layer's backward is twice its forward.
 GEMM_BACKWARD_FLOP_RATIO = 2.0
 
@@ -57,6 +60,10 @@ class StepGraph:
     model_flops: float  # FLOPs of the step's math for one context group, once, without recompute
     views: int = 1  # layout sequences per example the step runs: rows x passes (objective)
     notes: tuple[str, ...] = field(default=())
+    # stamped layers, in program order: (first op, end, template, the ops before it that its ops
+    # wait for). Instances of one template run the same ops with the same relative waits: the
+    # engines time one that enters as an earlier one did, shifted, as that one shifted (`program`)
+    repeats: tuple[tuple[int, int, int, tuple[int, ...]], ...] = field(default=(), repr=False, compare=False)
     _arrays: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -134,7 +141,8 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
     def __init__(self, model: ModelSpec, workload: Workload, plan: Plan, layout: Layout,
                  gpus_per_node: int, ops: list | None = None, notes: list | None = None,
                  one_bucket: bool = False, keys_at_home: bool = False,
-                 implementation: "Implementation | str | None" = None, prefix: str = "") -> None:
+                 implementation: "Implementation | str | None" = None, prefix: str = "",
+                 repeats: list | None = None) -> None:
         self.m, self.w, self.p, self.lay = model, workload, plan, layout
         self.prefix = prefix  # a trained stream's ops are named after it ("encoder.", "decoder.")
         self.impl = load_implementation(implementation or DEFAULT_IMPLEMENTATION)
@@ -155,8 +163,10 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
             if self.obj.context_as_kv else np.zeros(self.n)
         self.ops: list[Op] = [] if ops is None else ops  # a sub-pass appends to its parent's ops
         self.notes: list[str] = [] if notes is None else notes
+        self.repeats: list = [] if repeats is None else repeats  # StepGraph.repeats, shared likewise
         self._cache: dict = {}
         self._layers: dict[tuple, _LayerTemplate | tuple | None] = {}
+        self._layer_ids: dict[tuple, int] = {}  # StepGraph.repeats' template numbers
         every = tuple(range(self.n))
         self.cp_sync = layout.cp_groups()
         self.g_tp = self._group(("tp",), tuple((r,) for r in every))
@@ -284,8 +294,14 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
             start, end, first_x, first_out = template
             template = self._layers[key] = _LayerTemplate.record(self.ops[start:end], start, first_x,
                                                                  first_out)
+            if template is not None:  # the first layer of its kind is an instance too
+                self._layer_ids[key] = next(_TEMPLATE_IDS)  # unique in the process (not id())
+                self.repeats.append((start, end, self._layer_ids[key], tuple(sorted(set(first_x)))))
         if template is not None:
-            return template.stamp(self.ops, li, x)
+            base = len(self.ops)
+            out = template.stamp(self.ops, li, x)
+            self.repeats.append((base, len(self.ops), self._layer_ids[key], tuple(sorted(set(x)))))
+            return out
         start = len(self.ops)
         out = self.layer_backward(li, a, x) if phase == "backward" else self.layer_forward(li, a, phase, x)
         if x and key not in self._layers:  # with no input, which ops wait for it cannot be seen
@@ -429,7 +445,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
             self.param_gather("updated-params", "param-sync", None, *self.trained_params(), step)
         self.fp8_amax(step)
         return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.passes * obj.rows_per_example,
-                         tuple(self.notes))
+                         tuple(self.notes), tuple(sorted(self.repeats)))
 
 
 # what other modules keep between graphs (prices, recent graphs), forgotten with the rest

@@ -8,6 +8,8 @@ share their works, so the pass itself is a few array operations per op.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import numpy as np
 
 from csbp.simulator.cost.graph import Comm, Group, StepGraph
@@ -68,7 +70,7 @@ def slowest(values: np.ndarray, sync: Sync) -> np.ndarray:
 
 
 def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
-        stretch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        stretch: np.ndarray | None = None, repeats: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(start, finish) [op, rank] of the step.
 
     `stretch` (per op; 1 for transfers): how much longer a compute op runs while a transfer runs
@@ -84,6 +86,14 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     stream for both. Maxima and one addition per op: the same floating-point operations, in the
     same order, as an event queue processing the same streams. The walk reads the graph's
     `steps` (made once per graph and engine), not its ops.
+
+    `repeats`: a stamped layer (`StepGraph.repeats`) that enters as an earlier instance of its
+    template did, shifted by one time on every rank and stream, is not walked: its times are
+    that instance's, shifted (`_Repeats`). Equal to the walk up to rounding: every time is a
+    maximum and sum of entry times and durations (the stretch too moves less than its inputs
+    do), so a layer's times move by at most what its entry moved, and an entry taken as shifted
+    within REPEAT_TOLERANCE of the latest time differs from the walked one by at most that much
+    (same bound per layer, not compounding: each is shifted from a walked instance).
     """
     n = graph.ranks
     zero = np.zeros(n)
@@ -97,7 +107,9 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     # no transfer still running past the compute stream on any rank: nothing to stretch until a
     # transfer is issued (the compute stream only moves later, so the test once true stays true)
     calm = stretch is None
-    for i, deps, kind, sync, peer, chain in steps(graph, overlap, queue_comm):
+    memo = _Repeats(d, queue_comm and overlap, stretch is not None) if repeats and graph.repeats else None
+    walk = iter(steps(graph, overlap, queue_comm, stretch is not None, memo is not None))
+    for i, deps, kind, sync, peer, chain in walk:
         took = d[i]
         if deps:
             ready = finish[deps[0]]
@@ -148,33 +160,72 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
                 comm_free = end
             if stretch is not None:
                 comm_until, calm = maximum(comm_until, end), False
+        elif kind is _ENTER:  # a stamped layer: timed as an earlier instance, shifted, or walked
+            shifted = memo.enter(sync, finish, (compute_free, comm_free, comm_until))
+            if shifted is None:
+                continue
+            start[sync.first:sync.end], finish[sync.first:sync.end], state = shifted
+            compute_free, comm_free, comm_until = state
+            calm = stretch is None
+            next(islice(walk, sync.steps, sync.steps), None)  # skip its steps and its _LEAVE
+            continue
+        elif kind is _LEAVE:
+            memo.leave(sync, start, finish, (compute_free, comm_free, comm_until))
+            continue
         else:  # the host/storage path: its own stream, waited on by nobody (`Op.stream`)
             begin = maximum(io_free.get(kind, zero), ready)
             end = io_free[kind] = begin + took
         start[i] = begin
         finish[i] = end
-    shape = d.shape
-    return np.array(start).reshape(shape), np.array(finish).reshape(shape)
+    shape = d.shape  # one row per op: joined end to end (no per-row shape checks), then shaped
+    if not start:
+        return np.zeros(shape), np.zeros(shape)
+    return np.concatenate(start).reshape(shape), np.concatenate(finish).reshape(shape)
 
 
-_COMPUTE, _COMM = "compute", "comm"
+_COMPUTE, _COMM, _ENTER, _LEAVE = "compute", "comm", "enter", "leave"
+
+# How far (relative to the latest entry time) a stamped layer's entry may differ from an earlier
+# instance's shifted entry and still be timed as that instance shifted: a thousand times the
+# rounding of ~1e4 additions (1e4 x 1.1e-16), far below any step time's meaning
+REPEAT_TOLERANCE = 1e-12
+# Layers shorter than this are walked: comparing an entry and keeping a walked instance costs
+# about what walking a dozen ops does (a long ring's layer holds hundreds: cp steps and hops)
+REPEAT_MIN_OPS = 32
 
 
-def steps(graph: StepGraph, overlap: bool, queue_comm: bool) -> list[tuple]:
+def steps(graph: StepGraph, overlap: bool, queue_comm: bool, stretched: bool = False,
+          repeats: bool = False) -> list[tuple]:
     """What `run` walks, per op in program order that is not timed with a chain before it:
     (op, its inputs, its kind: "compute", "comm" or an io stream's name, the rank sets it waits
     with or None, p2p senders or None, the chain it starts (`chained_ops`) or None). Made once
-    per graph and engine: the walk then reads no op, work or dict."""
-    key = ("steps", overlap, queue_comm)
+    per graph and engine: the walk then reads no op, work or dict.
+
+    `stretched`: transfers slow the compute beside them (chains end where one is issued).
+    `repeats`: each stamped layer's steps between an _ENTER and a _LEAVE step (its `_Instance`
+    where the rank sets go), so that `run` can skip them; chains are cut at its edges (the same
+    times: a chain's ops are timed as single steps would be, and no transfer is issued inside
+    a chain when it matters)."""
+    key = ("steps", overlap, queue_comm, stretched, repeats)
     if key not in graph._arrays:
         per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
-        chains = chained_ops(graph, transfers=not queue_comm) if overlap else {}
+        instances = _instances(graph, stream, overlap) if repeats else []
+        edges = frozenset(e for inst in instances for e in (inst.first, inst.end))
+        chains = chained_ops(graph, not queue_comm, stretched, edges) if overlap else {}
         timed = set()  # ops a chain times
         for chain in chains.values():
             timed.update(chain[1:].tolist())
         out = []
+        entering = {inst.first: inst for inst in instances}
+        inside = None
         for op, w, on in zip(graph.ops, which.tolist(), stream):
             i = op.index
+            if inside is not None and i == inside.end:
+                inside = _leave(inside, out)
+            if i in entering:
+                inside = entering[i]
+                out.append((-1, (), _ENTER, inside, None, None))
+                inside.steps = len(out)
             if i in timed:
                 continue
             comm, sync, peer = per_work[w]
@@ -184,8 +235,121 @@ def steps(graph: StepGraph, overlap: bool, queue_comm: bool) -> list[tuple]:
                 out.append((i, op.deps, _COMM, sync, peer, None))
             else:
                 out.append((i, op.deps, _COMPUTE, None, None, chains.get(i)))
+        if inside is not None:
+            _leave(inside, out)
         graph._arrays[key] = out
     return graph._arrays[key]
+
+
+def _leave(inst: "_Instance", out: list) -> None:
+    out.append((-1, (), _LEAVE, inst, None, None))
+    inst.steps = len(out) - inst.steps  # its steps and the _LEAVE, which a repeat skips
+
+
+class _Instance:
+    """One stamped layer as the walk meets it: its ops [first, end), its template, the ops
+    before it that its ops wait for, whether it runs compute ops and transfers (else it leaves
+    that stream as it found it), and how many steps (its _LEAVE included) follow its _ENTER."""
+
+    __slots__ = ("first", "end", "template", "inputs", "computes", "transfers", "steps")
+
+    def __init__(self, first: int, end: int, template: int, inputs: tuple[int, ...], computes: bool,
+                 transfers: bool) -> None:
+        self.first, self.end, self.template, self.inputs = first, end, template, inputs
+        self.computes, self.transfers, self.steps = computes, transfers, 0
+
+
+def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Instance]:
+    """The graph's stamped layers that `run` may time as an earlier one shifted: those whose
+    ops run the same works as the first instance of their template (a pass that rewrote one
+    instance's works is left to the walk), of REPEAT_MIN_OPS ops or more, whose every op waits
+    for something (so that nothing
+    in it starts before its inputs are there: `_Repeats.entry`) and that run nothing on an io
+    stream (whose state the entry does not hold)."""
+    _, which = graph.works()
+    first_of: dict[int, tuple[int, int, bool, bool] | None] = {}
+    out = []
+    for first, end, template, inputs in graph.repeats:
+        if end - first < REPEAT_MIN_OPS:
+            continue
+        if template not in first_of:  # its ops' streams and waits, read on its first instance
+            on = stream[first:end]
+            ok = inputs and all(graph.ops[i].deps for i in range(first, end)) and \
+                not any(x in IO_STREAMS for x in on)
+            first_of[template] = (first, end, "compute" in on or (not overlap and bool(on)), "comm" in on) \
+                if ok else None
+        known = first_of[template]
+        if known is None:
+            continue
+        a, b, computes, transfers = known
+        if b - a == end - first and np.array_equal(which[a:b], which[first:end]):
+            out.append(_Instance(first, end, template, inputs, computes, transfers))
+    return out
+
+
+class _Repeats:
+    """Per template, the last few walked instances: their entry, their ops' times, their exit.
+
+    The entry holds what the instance's times depend on, per rank: the latest of its inputs
+    (every op of it that waits outside waits for all of them: `_LayerTemplate.record`), when
+    its compute stream is free, and (events) its transfer stream, and (interference) until when
+    transfers run beside it. As nothing in the instance starts before its inputs are there, a
+    free time earlier than that is taken at that time (and until-when no earlier than the
+    compute stream is free): the same maxima, and instances that differ only in how long a
+    stream sat idle before them match."""
+
+    KEPT = 3  # a template's instances enter after different kinds of layer (5:1 patterns)
+
+    def __init__(self, d: np.ndarray, queued: bool, stretched: bool) -> None:
+        self.d, self.queued, self.stretched = d, queued, stretched
+        self.walked: dict[int, list] = {}
+        self.pending: dict[int, np.ndarray] = {}
+        self.hits = 0
+
+    def entry(self, inst: _Instance, finish: list, state: tuple) -> np.ndarray:
+        compute_free, comm_free, comm_until = state
+        ready = finish[inst.inputs[0]]
+        for j in inst.inputs[1:]:
+            ready = np.maximum(ready, finish[j])
+        free = np.maximum(compute_free, ready)
+        rows = [ready, free]
+        if self.queued:
+            rows.append(comm_free)
+        if self.stretched:
+            rows.append(np.maximum(comm_until, free))
+        return np.stack(rows)
+
+    def enter(self, inst: _Instance, finish: list, state: tuple):
+        """(its ops' start rows, finish rows, the streams' state after it) as an earlier
+        instance's shifted, or None: walk it (its entry is kept for `leave`)."""
+        entry = self.entry(inst, finish, state)
+        for e, (a, b), s, f, after in self.walked.get(inst.template, ()):
+            moved = entry - e
+            by = float(moved.max())  # one time for every rank and stream
+            if float(moved.min()) < by - REPEAT_TOLERANCE * float(entry.max()):
+                continue
+            if not np.array_equal(self.d[a:b], self.d[inst.first:inst.end]):
+                continue  # re-priced op by op (host crowding): not the same layer
+            self.hits += 1
+            compute_free, comm_free, comm_until = state
+            if inst.computes:
+                compute_free = after[0] + by
+            if inst.transfers and self.queued:
+                comm_free = after[1] + by
+            if self.stretched:  # until-when only ever grows; an earlier one matters nowhere
+                comm_until = np.maximum(comm_until, after[2] + by)
+            return list(s + by), list(f + by), (compute_free, comm_free, comm_until)
+        self.pending[inst.first] = entry
+        return None
+
+    def leave(self, inst: _Instance, start: list, finish: list, state: tuple) -> None:
+        entry = self.pending.pop(inst.first, None)
+        if entry is None:
+            return
+        a, b = inst.first, inst.end
+        kept = self.walked.setdefault(inst.template, [])
+        kept.insert(0, (entry, (a, b), np.stack(start[a:b]), np.stack(finish[a:b]), state))
+        del kept[self.KEPT:]
 
 
 IO_STREAMS = ("io", "h2d")
@@ -221,25 +385,38 @@ def _stretched(begin: np.ndarray, took: np.ndarray, until: np.ndarray, factor: f
     return np.where(slow <= window, begin + slow, begin + window + (took - window / factor))
 
 
-def chained_ops(graph: StepGraph, transfers: bool) -> dict[int, np.ndarray]:
+def chained_ops(graph: StepGraph, transfers: bool, at_transfers: bool = False,
+                edges: frozenset = frozenset()) -> dict[int, np.ndarray]:
     """Runs of ops in which each waits only for the one before, keyed by their first op (a
     compute op). With overlap the compute stream runs such compute ops back to back, so their
     times are one running sum (np.cumsum adds in the same order as op after op), whatever other
     transfers run between them. `transfers`: a transfer that nobody syncs with and that queues
     behind nothing (the closed form's TP collectives) joins the run too, the compute op after it
     starting when it ends. A run ends with a compute op and holds every compute op between its
-    first and last."""
-    key = ("chains", transfers)
+    first and last.
+
+    `at_transfers`: a run also ends where a transfer that does not join it is issued: where
+    transfers slow the compute beside them, the compute op after it runs beside it, which a run
+    timed from its first op would not see (`run`'s stretch reads the transfers issued before an
+    op). `edges`: ops where a run starts afresh (a stamped layer's first op and the op after its
+    last: `steps`)."""
+    key = ("chains", transfers, at_transfers, edges)
     if key not in graph._arrays:
         per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
         runs: dict[int, list[int]] = {}
         run: list[int] = []
         for op, w, on in zip(graph.ops, which.tolist(), stream):
+            if op.index in edges:
+                _close(run, runs, graph)
+                run = []
             comm, sync, peer = per_work[w]
             follows = bool(run) and op.deps == (run[-1],)
             if comm:
                 if follows and transfers and sync is None and peer is None:
                     run.append(op.index)
+                elif at_transfers:  # the compute after it may run beside it: not timed from before
+                    _close(run, runs, graph)
+                    run = []
                 continue
             if on in IO_STREAMS:
                 continue
