@@ -107,6 +107,8 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     # no transfer still running past the compute stream on any rank: nothing to stretch until a
     # transfer is issued (the compute stream only moves later, so the test once true stays true)
     calm = stretch is None
+    if stretch is not None:  # per op: its duration all beside a transfer, what a transfer adds
+        slow, keep = d * stretch[:, None], 1.0 - 1.0 / stretch
     memo = _Repeats(d, queue_comm and overlap, stretch is not None) if repeats and graph.repeats else None
     walk = iter(steps(graph, overlap, queue_comm, stretch is not None, memo is not None))
     for i, deps, kind, sync, peer, chain in walk:
@@ -125,12 +127,12 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
                 if calm:
                     end = compute_free = begin + took
                 else:
-                    end = compute_free = _stretched(begin, took, comm_until, stretch[i])
+                    end = compute_free = _stretched(begin, took, slow[i], comm_until, keep[i])
             elif not calm:
                 rest = chain[:0]  # op by op: each one's part beside the transfers runs slower ...
                 for k, j in enumerate(chain.tolist()):
                     start[j] = begin
-                    begin = finish[j] = _stretched(begin, d[j], comm_until, stretch[j])
+                    begin = finish[j] = _stretched(begin, d[j], slow[j], comm_until, keep[j])
                     if not (comm_until > begin).any():  # ... until they have ended on every rank
                         rest, calm = chain[k + 1:], True
                         break
@@ -373,16 +375,15 @@ def _back_to_back(chain: np.ndarray, begin: np.ndarray, d: np.ndarray, start: li
     return begin
 
 
-def _stretched(begin: np.ndarray, took: np.ndarray, until: np.ndarray, factor: float) -> np.ndarray:
+def _stretched(begin: np.ndarray, took: np.ndarray, slow: np.ndarray, until: np.ndarray,
+               keep: float) -> np.ndarray:
     """End of a compute op of `took` seconds from `begin` whose part before `until` runs
-    `factor` times slower (a transfer beside it), the rest at full speed. Where `until` <=
-    `begin` on every rank the window is 0 and this is exactly begin + took (x + 0.0 and
-    x - 0.0 are x): `run` then times the rest of a chain back to back."""
-    if factor <= 1:
-        return begin + took
-    window = np.maximum(until - begin, 0.0)
-    slow = took * factor
-    return np.where(slow <= window, begin + slow, begin + window + (took - window / factor))
+    `factor` times slower (a transfer beside it), the rest at full speed: `slow` = took x
+    factor if all of it runs beside one, else took plus (1 - 1/factor) (`keep`) of the window
+    (the window's work done at 1/factor speed, the rest after it). Where `until` <= `begin`
+    on every rank the window is 0 and this is exactly begin + took (x + 0.0 is x, and slow >=
+    took): `run` then times the rest of a chain back to back."""
+    return begin + np.minimum(slow, took + np.maximum(until - begin, 0.0) * keep)
 
 
 def chained_ops(graph: StepGraph, transfers: bool, at_transfers: bool = False,
