@@ -96,20 +96,22 @@ class StepGraph:
     def flops(self, include_recompute: bool = True) -> np.ndarray:
         """FLOPs each representative rank executes in one step."""
         works, which = self.works()
-        counted = [i for i, op in enumerate(self.ops) if isinstance(op.work, Compute)
-                   and (include_recompute or op.phase != "recompute")]
+        counted = np.array([isinstance(w, Compute) for w in works], dtype=bool)[which]
+        if not include_recompute:
+            counted &= np.array([op.phase != "recompute" for op in self.ops], dtype=bool)
+        counted = np.flatnonzero(counted)  # per op, in program order (the sum's order)
         rows = np.array([w.flops if isinstance(w, Compute) else (0.0,) * self.ranks for w in works])
-        return rows[which[counted]].sum(axis=0) if counted else np.zeros(self.ranks)
+        return rows[which[counted]].sum(axis=0) if counted.size else np.zeros(self.ranks)
 
     def received_bytes(self) -> dict[str, np.ndarray]:
         """Bytes each representative rank receives per step, by traffic category."""
         works, which = self.works()
         rows = np.array([w.bytes for w in works]) if works else np.zeros((0, self.ranks))
-        by_category: dict[str, list[int]] = {}
-        for i, op in enumerate(self.ops):
-            if isinstance(op.work, Comm):
-                by_category.setdefault(op.work.category, []).append(i)
-        return {c: rows[which[ops]].sum(axis=0) for c, ops in by_category.items()}
+        category = [w.category if isinstance(w, Comm) else None for w in works]
+        names = list(dict.fromkeys(c for c in category if c is not None))  # works: as first issued
+        code = np.array([-1 if c is None else names.index(c) for c in category], dtype=np.intp)[which]
+        # per category its ops in program order (the sum's order)
+        return {c: rows[which[np.flatnonzero(code == k)]].sum(axis=0) for k, c in enumerate(names)}
 
     def works(self) -> tuple[list[Work], np.ndarray]:
         """The distinct work objects (identical layers share them) and, per op, its index among

@@ -8,7 +8,7 @@ share their works, so the pass itself is a few array operations per op.
 
 from __future__ import annotations
 
-from itertools import islice
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -110,7 +110,10 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     if stretch is not None:  # per op: its duration all beside a transfer, what a transfer adds
         slow, keep = d * stretch[:, None], 1.0 - 1.0 / stretch
     memo = _Repeats(d, queue_comm and overlap, stretch is not None) if repeats and graph.repeats else None
-    walk = iter(steps(graph, overlap, queue_comm, stretch is not None, memo is not None))
+    walk = steps(graph, overlap, queue_comm, stretch is not None, memo is not None)
+    expand: list = []  # a stamped layer walked: its steps, run next
+    if memo is not None:
+        walk = _walking(walk, expand)
     for i, deps, kind, sync, peer, chain in walk:
         took = d[i]
         if deps:
@@ -165,11 +168,11 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
         elif kind is _ENTER:  # a stamped layer: timed as an earlier instance, shifted, or walked
             shifted = memo.enter(sync, finish, (compute_free, comm_free, comm_until))
             if shifted is None:
+                expand.append(instance_steps(graph, sync, overlap, queue_comm, stretch is not None))
                 continue
             start[sync.first:sync.end], finish[sync.first:sync.end], state = shifted
             compute_free, comm_free, comm_until = state
             calm = stretch is None
-            next(islice(walk, sync.steps, sync.steps), None)  # skip its steps and its _LEAVE
             continue
         elif kind is _LEAVE:
             memo.leave(sync, start, finish, (compute_free, comm_free, comm_until))
@@ -204,61 +207,76 @@ def steps(graph: StepGraph, overlap: bool, queue_comm: bool, stretched: bool = F
     per graph and engine: the walk then reads no op, work or dict.
 
     `stretched`: transfers slow the compute beside them (chains end where one is issued).
-    `repeats`: each stamped layer's steps between an _ENTER and a _LEAVE step (its `_Instance`
-    where the rank sets go), so that `run` can skip them; chains are cut at its edges (the same
-    times: a chain's ops are timed as single steps would be, and no transfer is issued inside
-    a chain when it matters)."""
+    `repeats`: each stamped layer is one _ENTER step (its `_Instance` where the rank sets go);
+    its own steps, ending with a _LEAVE, are made when the walk first needs them
+    (`instance_steps`: most layers are timed as an earlier one shifted and never need them).
+    Chains are cut at its edges (the same times: a chain's ops are timed as single steps would
+    be, and no transfer is issued inside a chain when it matters)."""
     key = ("steps", overlap, queue_comm, stretched, repeats)
     if key not in graph._arrays:
-        per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
-        instances = _instances(graph, stream, overlap) if repeats else []
-        edges = frozenset(e for inst in instances for e in (inst.first, inst.end))
-        chains = chained_ops(graph, not queue_comm, stretched, edges) if overlap else {}
-        timed = set()  # ops a chain times
-        for chain in chains.values():
-            timed.update(chain[1:].tolist())
-        out = []
-        entering = {inst.first: inst for inst in instances}
-        inside = None
-        for op, w, on in zip(graph.ops, which.tolist(), stream):
-            i = op.index
-            if inside is not None and i == inside.end:
-                inside = _leave(inside, out)
-            if i in entering:
-                inside = entering[i]
-                out.append((-1, (), _ENTER, inside, None, None))
-                inside.steps = len(out)
-            if i in timed:
-                continue
-            comm, sync, peer = per_work[w]
-            if overlap and on in IO_STREAMS:
-                out.append((i, op.deps, on, None, None, None))
-            elif comm:
-                out.append((i, op.deps, _COMM, sync, peer, None))
-            else:
-                out.append((i, op.deps, _COMPUTE, None, None, chains.get(i)))
-        if inside is not None:
-            _leave(inside, out)
+        instances = _instances(graph, streams(graph), overlap) if repeats else []
+        out: list[tuple] = []
+        lo = 0
+        for inst in instances:
+            out += _segment(graph, lo, inst.first, overlap, queue_comm, stretched)
+            out.append((-1, (), _ENTER, inst, None, None))
+            lo = inst.end
+        out += _segment(graph, lo, len(graph.ops), overlap, queue_comm, stretched)
         graph._arrays[key] = out
     return graph._arrays[key]
 
 
-def _leave(inst: "_Instance", out: list) -> None:
-    out.append((-1, (), _LEAVE, inst, None, None))
-    inst.steps = len(out) - inst.steps  # its steps and the _LEAVE, which a repeat skips
+def instance_steps(graph: StepGraph, inst: "_Instance", overlap: bool, queue_comm: bool,
+                   stretched: bool) -> list[tuple]:
+    """A stamped layer's steps and its _LEAVE, made once per layer and engine."""
+    if inst.walk is None:
+        inst.walk = _segment(graph, inst.first, inst.end, overlap, queue_comm, stretched) + \
+            [(-1, (), _LEAVE, inst, None, None)]
+    return inst.walk
+
+
+def _segment(graph: StepGraph, lo: int, hi: int, overlap: bool, queue_comm: bool,
+             stretched: bool) -> list[tuple]:
+    """`steps` of the ops [lo, hi), chains inside it."""
+    per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
+    chains = _runs(graph, lo, hi, not queue_comm, stretched) if overlap else {}
+    timed = set()  # ops a chain times
+    for chain in chains.values():
+        timed.update(chain[1:].tolist())
+    out = []
+    for op, w, on in zip(graph.ops[lo:hi], which[lo:hi].tolist(), stream[lo:hi]):
+        i = op.index
+        if i in timed:
+            continue
+        comm, sync, peer = per_work[w]
+        if overlap and on in IO_STREAMS:
+            out.append((i, op.deps, on, None, None, None))
+        elif comm:
+            out.append((i, op.deps, _COMM, sync, peer, None))
+        else:
+            out.append((i, op.deps, _COMPUTE, None, None, chains.get(i)))
+    return out
+
+
+def _walking(top: list[tuple], expand: list) -> Iterator[tuple]:
+    """`top`'s steps, and after any step the steps `run` put in `expand` then (a layer it walks)."""
+    for step in top:
+        yield step
+        if expand:
+            yield from expand.pop()
 
 
 class _Instance:
     """One stamped layer as the walk meets it: its ops [first, end), its template, the ops
     before it that its ops wait for, whether it runs compute ops and transfers (else it leaves
-    that stream as it found it), and how many steps (its _LEAVE included) follow its _ENTER."""
+    that stream as it found it), and its steps once made (`instance_steps`)."""
 
-    __slots__ = ("first", "end", "template", "inputs", "computes", "transfers", "steps")
+    __slots__ = ("first", "end", "template", "inputs", "computes", "transfers", "walk")
 
     def __init__(self, first: int, end: int, template: int, inputs: tuple[int, ...], computes: bool,
                  transfers: bool) -> None:
         self.first, self.end, self.template, self.inputs = first, end, template, inputs
-        self.computes, self.transfers, self.steps = computes, transfers, 0
+        self.computes, self.transfers, self.walk = computes, transfers, None
 
 
 def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Instance]:
@@ -386,8 +404,7 @@ def _stretched(begin: np.ndarray, took: np.ndarray, slow: np.ndarray, until: np.
     return begin + np.minimum(slow, took + np.maximum(until - begin, 0.0) * keep)
 
 
-def chained_ops(graph: StepGraph, transfers: bool, at_transfers: bool = False,
-                edges: frozenset = frozenset()) -> dict[int, np.ndarray]:
+def chained_ops(graph: StepGraph, transfers: bool, at_transfers: bool = False) -> dict[int, np.ndarray]:
     """Runs of ops in which each waits only for the one before, keyed by their first op (a
     compute op). With overlap the compute stream runs such compute ops back to back, so their
     times are one running sum (np.cumsum adds in the same order as op after op), whatever other
@@ -399,35 +416,33 @@ def chained_ops(graph: StepGraph, transfers: bool, at_transfers: bool = False,
     `at_transfers`: a run also ends where a transfer that does not join it is issued: where
     transfers slow the compute beside them, the compute op after it runs beside it, which a run
     timed from its first op would not see (`run`'s stretch reads the transfers issued before an
-    op). `edges`: ops where a run starts afresh (a stamped layer's first op and the op after its
-    last: `steps`)."""
-    key = ("chains", transfers, at_transfers, edges)
-    if key not in graph._arrays:
-        per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
-        runs: dict[int, list[int]] = {}
-        run: list[int] = []
-        for op, w, on in zip(graph.ops, which.tolist(), stream):
-            if op.index in edges:
+    op)."""
+    return _runs(graph, 0, len(graph.ops), transfers, at_transfers)
+
+
+def _runs(graph: StepGraph, lo: int, hi: int, transfers: bool, at_transfers: bool) -> dict[int, np.ndarray]:
+    """`chained_ops` among the ops [lo, hi) (a run starts afresh at lo)."""
+    per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
+    runs: dict[int, np.ndarray] = {}
+    run: list[int] = []
+    for op, w, on in zip(graph.ops[lo:hi], which[lo:hi].tolist(), stream[lo:hi]):
+        comm, sync, peer = per_work[w]
+        follows = bool(run) and op.deps == (run[-1],)
+        if comm:
+            if follows and transfers and sync is None and peer is None:
+                run.append(op.index)
+            elif at_transfers:  # the compute after it may run beside it: not timed from before
                 _close(run, runs, graph)
                 run = []
-            comm, sync, peer = per_work[w]
-            follows = bool(run) and op.deps == (run[-1],)
-            if comm:
-                if follows and transfers and sync is None and peer is None:
-                    run.append(op.index)
-                elif at_transfers:  # the compute after it may run beside it: not timed from before
-                    _close(run, runs, graph)
-                    run = []
-                continue
-            if on in IO_STREAMS:
-                continue
-            if not follows:
-                _close(run, runs, graph)
-                run = []
-            run.append(op.index)
-        _close(run, runs, graph)
-        graph._arrays[key] = runs
-    return graph._arrays[key]
+            continue
+        if on in IO_STREAMS:
+            continue
+        if not follows:
+            _close(run, runs, graph)
+            run = []
+        run.append(op.index)
+    _close(run, runs, graph)
+    return runs
 
 
 def _close(run: list[int], runs: dict, graph: StepGraph) -> None:
