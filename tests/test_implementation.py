@@ -97,9 +97,13 @@ def test_a_waited_collective_adds_its_time_an_overlapped_one_only_its_exposed_pa
 def test_interference_stretches_overlapped_compute_by_the_profile_factor():
     f = 1.25
     begin, took, until = np.array([0.0]), np.array([1.0]), np.array([2.0])
-    assert program._stretched(begin, took, until, f)[0] == pytest.approx(1.25)  # wholly beside
-    assert program._stretched(begin, took, np.array([0.5]), f)[0] == pytest.approx(0.5 + (1 - 0.5 / f))
-    assert program._stretched(begin, took, np.array([0.0]), f)[0] == 1.0  # nothing beside it
+
+    def end(until):  # the engine's arguments: took x f (all beside a transfer), 1 - 1/f
+        return program._stretched(begin, took, took * f, until, 1 - 1 / f)[0]
+
+    assert end(until) == pytest.approx(1.25)  # wholly beside
+    assert end(np.array([0.5])) == pytest.approx(0.5 + (1 - 0.5 / f))  # 0.5 s beside, then the rest
+    assert end(np.array([0.0])) == 1.0  # nothing beside it
 
 
 @pytest.mark.floats
