@@ -188,10 +188,16 @@ class CanvasLayout(Layout):
 
     def _build_shares(self) -> tuple[RankShare, ...]:
         noisy = ((0, self.seq_len),)
-        shares = super()._build_shares()
+        shares = _main_shares(self)
         if self.per_stream:
             shares = _per_stream(self, shares)
         return tuple(replace(s, positions=intersect(s.positions, noisy)) for s in shares)
+
+
+def _main_shares(view: Layout) -> tuple[RankShare, ...]:
+    """`Layout._build_shares` of a view's fields: the main layout's shares, made once per
+    ownership (`layout._ownership`) for the layout and all its views, not again per view."""
+    return Layout(view.seq_len, view.block, view.plan, view.checkpointing).shares
 
 
 def canvas_view(layout: Layout, per_stream: bool = False) -> CanvasLayout:
@@ -217,7 +223,7 @@ class EncoderLayout(Layout):
     per_stream: bool = False
 
     def _build_shares(self) -> tuple[RankShare, ...]:
-        shares = super()._build_shares()
+        shares = _main_shares(self)
         if self.whole_clean:
             shares = _whole_clean(self, shares)
         if self.per_stream:
