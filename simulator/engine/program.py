@@ -282,10 +282,9 @@ class _Instance:
 def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Instance]:
     """The graph's stamped layers that `run` may time as an earlier one shifted: those whose
     ops run the same works as the first instance of their template (a pass that rewrote one
-    instance's works is left to the walk), of REPEAT_MIN_OPS ops or more, whose every op waits
-    for something (so that nothing
-    in it starts before its inputs are there: `_Repeats.entry`) and that run nothing on an io
-    stream (whose state the entry does not hold)."""
+    instance's works is left to the walk), of REPEAT_MIN_OPS ops or more, with inputs, whose
+    every op waits for something (so that nothing in it starts before its inputs are there:
+    `_Repeats.entry`) and that run nothing on an io stream (whose state the entry does not hold)."""
     _, which = graph.works()
     first_of: dict[int, tuple[int, int, bool, bool] | None] = {}
     out = []
@@ -302,7 +301,7 @@ def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Inst
         if known is None:
             continue
         a, b, computes, transfers = known
-        if b - a == end - first and np.array_equal(which[a:b], which[first:end]):
+        if inputs and b - a == end - first and np.array_equal(which[a:b], which[first:end]):
             out.append(_Instance(first, end, template, inputs, computes, transfers))
     return out
 
@@ -423,30 +422,36 @@ def chained_ops(graph: StepGraph, transfers: bool, at_transfers: bool = False) -
 def _runs(graph: StepGraph, lo: int, hi: int, transfers: bool, at_transfers: bool) -> dict[int, np.ndarray]:
     """`chained_ops` among the ops [lo, hi) (a run starts afresh at lo)."""
     per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
+    # per work: a transfer? one that may join a run (nobody syncs with it, no sender)?
+    comm = [c for c, _, _ in per_work]
+    joins = [transfers and c and sync is None and peer is None for c, sync, peer in per_work]
     runs: dict[int, np.ndarray] = {}
     run: list[int] = []
+    transfers_at_end = 0  # a run ends with a compute op: transfers it took last are dropped
+
+    def close() -> None:
+        kept = len(run) - transfers_at_end
+        if kept > 1:
+            runs[run[0]] = np.array(run[:kept])
+
     for op, w, on in zip(graph.ops[lo:hi], which[lo:hi].tolist(), stream[lo:hi]):
-        comm, sync, peer = per_work[w]
-        follows = bool(run) and op.deps == (run[-1],)
-        if comm:
-            if follows and transfers and sync is None and peer is None:
+        deps = op.deps
+        follows = run and len(deps) == 1 and deps[0] == run[-1]
+        if comm[w]:
+            if follows and joins[w]:
                 run.append(op.index)
-            elif at_transfers:  # the compute after it may run beside it: not timed from before
-                _close(run, runs, graph)
-                run = []
+                transfers_at_end += 1
+            elif at_transfers and run:  # the compute after it may run beside it: not timed from before
+                close()
+                run, transfers_at_end = [], 0
             continue
         if on in IO_STREAMS:
             continue
-        if not follows:
-            _close(run, runs, graph)
-            run = []
-        run.append(op.index)
-    _close(run, runs, graph)
+        if follows:
+            run.append(op.index)
+        else:
+            close()
+            run = [op.index]
+        transfers_at_end = 0
+    close()
     return runs
-
-
-def _close(run: list[int], runs: dict, graph: StepGraph) -> None:
-    while run and isinstance(graph.ops[run[-1]].work, Comm):  # a run ends with a compute op
-        run.pop()
-    if len(run) > 1:
-        runs[run[0]] = np.array(run)
