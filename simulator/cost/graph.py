@@ -135,6 +135,22 @@ class StepGraph:
 
 # ---- the builder --------------------------------------------------------------------------------
 
+_GROUPS: dict[tuple, Group] = {}
+
+
+def _interned(size: int, per_node: int, sync: tuple[tuple[int, ...], ...]) -> Group:
+    """One Group object per value: the builder's per-ownership caches key works by their group,
+    and a key found again compares its group by identity, not member by member (a 256-rank ring's
+    sync lists 256 tuples)."""
+    key = (size, per_node, sync)
+    group = _GROUPS.get(key)
+    if group is None:
+        if len(_GROUPS) >= 4096:
+            _GROUPS.clear()
+        group = _GROUPS[key] = Group(size, per_node, sync)
+    return group
+
+
 
 class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, ObjectiveOps, LossOps, OptimizerOps,
                FP8Ops):
@@ -175,13 +191,13 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         self.g_ep = self._group(("ep",), tuple((r,) for r in every))
         self.g_cp = self._group(("ctx",), self.cp_sync, ctx_block=len(self.cp_sync[0]))
         # A ring over a cp group that spans nodes has a pair that does: price its steps there.
-        self.g_ring = Group(2, 1 if self.g_cp.spans_nodes else 2, tuple((r,) for r in every))
+        self.g_ring = _interned(2, 1 if self.g_cp.spans_nodes else 2, tuple((r,) for r in every))
         self.g_dense = self._group(("dp", "ctx", "ep"), (every,))
         self.g_expert = self._group(("dp", "ctx", "tp"), (every,))
 
     def _group(self, axes, sync, ctx_block=None) -> Group:
         n, per_node = group_on_nodes(self.p, self.gpn, axes, ctx_block)
-        return Group(n, per_node, sync)
+        return _interned(n, per_node, sync)
 
     # -- small constructors -------------------------------------------------------------------
     def add(self, name: str, phase: Phase, layer: int | None, work: Work | None, *deps: Deps) -> Deps:
@@ -451,7 +467,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
 
 
 # what other modules keep between graphs (prices, recent graphs), forgotten with the rest
-ALSO_CLEARED: list = []
+ALSO_CLEARED: list = [_GROUPS.clear]
 
 
 def clear_caches() -> None:
