@@ -151,7 +151,6 @@ def _interned(size: int, per_node: int, sync: tuple[tuple[int, ...], ...]) -> Gr
     return group
 
 
-
 class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, ObjectiveOps, LossOps, OptimizerOps,
                FP8Ops):
     """Appends the ops of one step in program order; each helper returns the ops that end it."""

@@ -147,13 +147,12 @@ def _phase_index(graph: StepGraph) -> tuple[list[str], np.ndarray, np.ndarray, n
         names = list(dict.fromkeys(["grad-sync"] + phase_of))
         code = {name: i for i, name in enumerate(names)}
         # the io stream (a background reader) is neither the compute stream nor a transfer
-        from csbp.simulator.cost.step_ops import IO_STREAMS as IO_STREAM_OF
+        from csbp.simulator.engine.program import work_streams
 
-        works, which = graph.works()
-        on = np.array([1 if isinstance(w, Comm) else 2 if w.kind in IO_STREAM_OF else 0 for w in works],
-                      dtype=np.intp)[which]  # per op: 0 compute, 1 a transfer, 2 an io stream
+        _, which = graph.works()
+        on = np.array(work_streams(graph), dtype=object)[which]  # per op, its stream
         phases = np.array([code[name] for name in phase_of], dtype=np.intp)
-        split = [np.flatnonzero(on == k) for k in (0, 1)]
+        split = [np.flatnonzero(on == stream) for stream in ("compute", "comm")]
         graph._arrays["phases"] = (names, *(a for idx in split for a in (idx, phases[idx])))
     return graph._arrays["phases"]
 

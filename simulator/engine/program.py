@@ -293,8 +293,7 @@ def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Inst
             continue
         if template not in first_of:  # its ops' streams and waits, read on its first instance
             on = stream[first:end]
-            ok = inputs and all(graph.ops[i].deps for i in range(first, end)) and \
-                not any(x in IO_STREAMS for x in on)
+            ok = all(graph.ops[i].deps for i in range(first, end)) and not any(x in IO_STREAMS for x in on)
             first_of[template] = (first, end, "compute" in on or (not overlap and bool(on)), "comm" in on) \
                 if ok else None
         known = first_of[template]
@@ -313,9 +312,11 @@ class _Repeats:
     (every op of it that waits outside waits for all of them: `_LayerTemplate.record`), when
     its compute stream is free, and (events) its transfer stream, and (interference) until when
     transfers run beside it. As nothing in the instance starts before its inputs are there, a
-    free time earlier than that is taken at that time (and until-when no earlier than the
-    compute stream is free): the same maxima, and instances that differ only in how long a
-    stream sat idle before them match."""
+    compute stream free earlier than that is taken as free then, and until-when no earlier than
+    that compute time (every compute op begins later, where an earlier until-when stretches
+    nothing): the same maxima, and instances that differ only in how long the compute stream
+    sat idle before them match. The transfer stream is compared as it is (a transfer outside
+    the instance may start as early as it allows)."""
 
     KEPT = 3  # a template's instances enter after different kinds of layer (5:1 patterns)
 
@@ -374,11 +375,19 @@ class _Repeats:
 IO_STREAMS = ("io", "h2d")
 
 
+def work_streams(graph: StepGraph) -> list[str]:
+    """Per distinct work, the stream its ops run on (`Op.stream`), read once per graph."""
+    if "work-streams" not in graph._arrays:
+        works, _ = graph.works()
+        graph._arrays["work-streams"] = ["comm" if isinstance(w, Comm) else IO_STREAM_OF.get(w.kind, "compute")
+                                         for w in works]
+    return graph._arrays["work-streams"]
+
+
 def streams(graph: StepGraph) -> list[str]:
     """Per op, the stream it runs on (`Op.stream`), read once per graph for every pass below."""
     if "streams" not in graph._arrays:  # per distinct work, then per op
-        works, which = graph.works()
-        of_work = ["comm" if isinstance(w, Comm) else IO_STREAM_OF.get(w.kind, "compute") for w in works]
+        of_work, (_, which) = work_streams(graph), graph.works()
         graph._arrays["streams"] = [of_work[w] for w in which.tolist()]
     return graph._arrays["streams"]
 
