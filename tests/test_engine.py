@@ -73,7 +73,8 @@ def test_one_pass_is_the_event_queue_bit_for_bit(name, model, plan, kw, h200):
 
 REPEAT_CASES = [("csbp-ring", M8, Plan(dp=2, cp=32, bp=32, transport="ring"), "turbo-dllm"),
                 ("cp-ring", M8, Plan(cp=16, transport="ring"), "turbo-dllm"),
-                ("ep-ring", GEMMA, Plan(ep=2, cp=8, bp=8, transport="ring"), "turbo-dllm")]
+                ("ep-ring", GEMMA, Plan(ep=2, cp=8, bp=8, transport="ring"), "turbo-dllm"),
+                ("csbp-short-layers", GEMMA, Plan(dp=4, cp=4, bp=4), "turbo-dllm")]  # 14-15 ops a layer
 
 
 @pytest.mark.floats

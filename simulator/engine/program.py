@@ -194,9 +194,11 @@ _COMPUTE, _COMM, _ENTER, _LEAVE = "compute", "comm", "enter", "leave"
 # instance's shifted entry and still be timed as that instance shifted: a thousand times the
 # rounding of ~1e4 additions (1e4 x 1.1e-16), far below any step time's meaning
 REPEAT_TOLERANCE = 1e-12
-# Layers shorter than this are walked: comparing an entry and keeping a walked instance costs
-# about what walking a dozen ops does (a long ring's layer holds hundreds: cp steps and hops)
-REPEAT_MIN_OPS = 32
+# Layers shorter than this are walked: comparing an entry and shifting an earlier instance's
+# rows costs about 12 us (DiffusionGemma 256K, 4 ranks), what walking four or five steps does,
+# and a layer of 8 ops walks about that many (chains take the rest); measured on the study
+# layers of 10-15 ops: both engines 5-20 % faster; a long ring's layer holds hundreds
+REPEAT_MIN_OPS = 8
 
 
 def steps(graph: StepGraph, overlap: bool, queue_comm: bool, stretched: bool = False,
@@ -286,7 +288,7 @@ def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Inst
     every op waits for something (so that nothing in it starts before its inputs are there:
     `_Repeats.entry`) and that run nothing on an io stream (whose state the entry does not hold)."""
     _, which = graph.works()
-    first_of: dict[int, tuple[int, int, bool, bool] | None] = {}
+    first_of: dict[int, tuple[bytes, bool, bool] | None] = {}
     out = []
     for first, end, template, inputs in graph.repeats:
         if end - first < REPEAT_MIN_OPS:
@@ -294,13 +296,13 @@ def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Inst
         if template not in first_of:  # its ops' streams and waits, read on its first instance
             on = stream[first:end]
             ok = all(graph.ops[i].deps for i in range(first, end)) and not any(x in IO_STREAMS for x in on)
-            first_of[template] = (first, end, "compute" in on or (not overlap and bool(on)), "comm" in on) \
-                if ok else None
+            first_of[template] = (which[first:end].tobytes(), "compute" in on or (not overlap and bool(on)),
+                                  "comm" in on) if ok else None
         known = first_of[template]
         if known is None:
             continue
-        a, b, computes, transfers = known
-        if inputs and b - a == end - first and np.array_equal(which[a:b], which[first:end]):
+        works, computes, transfers = known  # its works' indices, compared as bytes
+        if inputs and which[first:end].tobytes() == works:
             out.append(_Instance(first, end, template, inputs, computes, transfers))
     return out
 
@@ -324,31 +326,49 @@ class _Repeats:
         self.d, self.queued, self.stretched = d, queued, stretched
         self.walked: dict[int, list] = {}
         self.pending: dict[int, np.ndarray] = {}
+        self.prices: dict[int, bytes] = {}
         self.hits = 0
 
     def entry(self, inst: _Instance, finish: list, state: tuple) -> np.ndarray:
+        """The entry's rows end to end (one array: a layer of a dozen ops is worth shifting only
+        if comparing its entry costs a few array operations)."""
         compute_free, comm_free, comm_until = state
-        ready = finish[inst.inputs[0]]
-        for j in inst.inputs[1:]:
+        inputs = inst.inputs
+        ready = finish[inputs[0]]
+        for j in inputs[1:]:
             ready = np.maximum(ready, finish[j])
         free = np.maximum(compute_free, ready)
-        rows = [ready, free]
         if self.queued:
-            rows.append(comm_free)
+            if self.stretched:
+                return np.concatenate((ready, free, comm_free, np.maximum(comm_until, free)))
+            return np.concatenate((ready, free, comm_free))
         if self.stretched:
-            rows.append(np.maximum(comm_until, free))
-        return np.stack(rows)
+            return np.concatenate((ready, free, np.maximum(comm_until, free)))
+        return np.concatenate((ready, free))
+
+    def _priced(self, inst: _Instance) -> bytes:
+        """Its ops' durations as bytes: instances of a template run the same works, so these
+        differ only where ops were re-priced one by one (host crowding)."""
+        key = self.prices.get(inst.first)
+        if key is None:
+            key = self.prices[inst.first] = self.d[inst.first:inst.end].tobytes()
+        return key
 
     def enter(self, inst: _Instance, finish: list, state: tuple):
         """(its ops' start rows, finish rows, the streams' state after it) as an earlier
-        instance's shifted, or None: walk it (its entry is kept for `leave`)."""
+        instance's shifted, or None: walk it (its entry is kept for `leave`). The comparison
+        runs on Python floats: a dozen numbers, where numpy's reductions cost more than the
+        arithmetic (the same IEEE differences, maxima and minima either way)."""
         entry = self.entry(inst, finish, state)
-        for e, (a, b), s, f, after in self.walked.get(inst.template, ()):
-            moved = entry - e
-            by = float(moved.max())  # one time for every rank and stream
-            if float(moved.min()) < by - REPEAT_TOLERANCE * float(entry.max()):
+        latest = None
+        for e, walked, s, f, after in self.walked.get(inst.template, ()):
+            moved = (entry - e).tolist()
+            by = max(moved)  # one time for every rank and stream
+            if latest is None:
+                latest = max(entry.tolist())
+            if min(moved) < by - REPEAT_TOLERANCE * latest:
                 continue
-            if not np.array_equal(self.d[a:b], self.d[inst.first:inst.end]):
+            if self._priced(walked) != self._priced(inst):
                 continue  # re-priced op by op (host crowding): not the same layer
             self.hits += 1
             compute_free, comm_free, comm_until = state
@@ -368,7 +388,7 @@ class _Repeats:
             return
         a, b = inst.first, inst.end
         kept = self.walked.setdefault(inst.template, [])
-        kept.insert(0, (entry, (a, b), np.stack(start[a:b]), np.stack(finish[a:b]), state))
+        kept.insert(0, (entry, inst, np.stack(start[a:b]), np.stack(finish[a:b]), state))
         del kept[self.KEPT:]
 
 
@@ -428,12 +448,21 @@ def chained_ops(graph: StepGraph, transfers: bool, at_transfers: bool = False) -
     return _runs(graph, 0, len(graph.ops), transfers, at_transfers)
 
 
+def _joining(graph: StepGraph, transfers: bool) -> tuple[list[bool], list[bool]]:
+    """Per work: a transfer? one that may join a run (nobody syncs with it, no sender)? Read
+    once per graph (`_runs` is asked per layer)."""
+    key = ("joining", transfers)
+    if key not in graph._arrays:
+        per_work = program(graph)
+        graph._arrays[key] = ([c for c, _, _ in per_work],
+                              [transfers and c and sync is None and peer is None for c, sync, peer in per_work])
+    return graph._arrays[key]
+
+
 def _runs(graph: StepGraph, lo: int, hi: int, transfers: bool, at_transfers: bool) -> dict[int, np.ndarray]:
     """`chained_ops` among the ops [lo, hi) (a run starts afresh at lo)."""
-    per_work, (_, which), stream = program(graph), graph.works(), streams(graph)
-    # per work: a transfer? one that may join a run (nobody syncs with it, no sender)?
-    comm = [c for c, _, _ in per_work]
-    joins = [transfers and c and sync is None and peer is None for c, sync, peer in per_work]
+    (_, which), stream = graph.works(), streams(graph)
+    comm, joins = _joining(graph, transfers)
     runs: dict[int, np.ndarray] = {}
     run: list[int] = []
     transfers_at_end = 0  # a run ends with a compute op: transfers it took last are dropped
