@@ -37,6 +37,8 @@ CausalLayout API (what the simulator prices and a runtime executes for objective
 
 from __future__ import annotations
 
+import itertools
+
 import functools
 
 from dataclasses import dataclass, replace
@@ -67,18 +69,50 @@ def window_union(blocks, seq_len: int, block: int, window: int | None) -> tuple:
     """Clean rows (2L coordinates) the draft blocks at `blocks` read through a window: the union
     of their windows, the context a windowed drafter trims to (implementation.md section 14,
     `compact_dflash_target_context`); None: no window, nothing trimmed."""
-    if window is None:
-        return None
-    k = np.sort(np.fromiter(blocks, dtype=np.int64))
-    k = k[k != 0]
+    return None if window is None else window_unions([blocks], seq_len, block, window)[0]
+
+
+def window_unions(lists, seq_len: int, block: int, window: int) -> list[tuple]:
+    """`window_union` of each list of blocks, all lists at once (a search deals thousands of
+    anchors over up to a thousand ranks): windows of sorted blocks start and end in order, so one
+    merges into the one before it in its list where it starts at or before that one's end."""
+    which, k = _flat(lists)
+    order = np.lexsort((k, which))
+    which, k = which[order], k[order]
+    which, k = which[k != 0], k[k != 0]
     if not k.size:
-        return ()
-    # windows of sorted blocks start and end in order: one merges into the one before where it
-    # starts at or before that one's end (as arrays: a drafter has thousands of anchors)
+        return [()] * len(lists)
     lo, hi = seq_len + np.maximum(0, k * block - window + 1), seq_len + k * block
-    first = np.flatnonzero(np.concatenate([[True], lo[1:] > hi[:-1]]))
+    first = np.flatnonzero(np.concatenate([[True], (which[1:] != which[:-1]) | (lo[1:] > hi[:-1])]))
     last = np.append(first[1:], k.size) - 1
-    return tuple(zip(lo[first].tolist(), hi[last].tolist()))
+    return _per_list(len(lists), which[first], lo[first], hi[last])
+
+
+def drafts_each(lists, block: int) -> list[tuple]:
+    """Each list's blocks as spans of positions, neighbours merged (`normalize`), all at once."""
+    which, k = _flat(lists)
+    if not k.size:
+        return [()] * len(lists)
+    top = int(k.max()) + 2  # one key per (list, block): lists apart, blocks in order
+    key = np.unique(which * top + k)
+    which, k = key // top, key % top
+    first = np.flatnonzero(np.concatenate([[True], (which[1:] != which[:-1]) | (k[1:] != k[:-1] + 1)]))
+    last = np.append(first[1:], k.size) - 1
+    return _per_list(len(lists), which[first], k[first] * block, (k[last] + 1) * block)
+
+
+def _flat(lists) -> tuple[np.ndarray, np.ndarray]:
+    """(which list, block) of every entry of every list."""
+    sizes = [len(x) for x in lists]
+    which = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    return which, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(sizes))
+
+
+def _per_list(n: int, which: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[tuple]:
+    out: list[list] = [[] for _ in range(n)]
+    for w, a, z in zip(which.tolist(), lo.tolist(), hi.tolist()):
+        out[w].append((a, z))
+    return [tuple(x) for x in out]
 
 
 @dataclass(frozen=True)
@@ -101,38 +135,27 @@ class AnchorLayout(Layout):
         blocks = locality_anchor_blocks(L // b, self.anchors)
         every = window_union(blocks, L, b, W)
 
-        def drafts(ks) -> tuple:  # the blocks' spans, neighbours merged (`normalize`), as arrays
-            k = np.unique(np.fromiter(ks, dtype=np.int64))
-            if not k.size:
-                return ()
-            first = np.flatnonzero(np.concatenate([[True], np.diff(k) > 1]))
-            last = np.append(first[1:], k.size) - 1
-            return tuple(zip((k[first] * b).tolist(), ((k[last] + 1) * b).tolist()))
-
-        def trimmed(context, ks=None) -> tuple:
-            if W is None:
-                return context
-            return intersect(context, every if ks is None else window_union(ks, L, b, W))
+        def trimmed(context, union) -> tuple:
+            return context if W is None else intersect(context, union)
 
         if p.kind in ("single", "dp"):
-            return (RankShare(0, drafts(blocks), trimmed(((L, 2 * L),)), blocks, 0),)
+            return (RankShare(0, drafts_each([blocks], b)[0], trimmed(((L, 2 * L),), every), blocks, 0),)
         if p.kind == "cp":
-            return tuple(RankShare(r, drafts(blocks), trimmed(zigzag(L, p.cp, r, offset=L)), blocks, 0)
+            mine = drafts_each([blocks], b)[0]
+            return tuple(RankShare(r, mine, trimmed(zigzag(L, p.cp, r, offset=L), every), blocks, 0)
                          for r in range(p.cp))
-        shares = []
-        dealt = assign_blocks(len(blocks), p.bp, p.schedule)
-        groups: dict[int, tuple] = {}  # CSBP: each cp sub-group's anchors, once
-        for q, ix in enumerate(dealt):
-            groups[q // p.cp] = groups.get(q // p.cp, ()) + tuple(blocks[i] for i in ix)
-        for r, idx in enumerate(dealt):
-            mine = tuple(blocks[i] for i in idx)
-            if p.kind == "bp":
-                context = ((L, L + max(mine) * b),) if mine and max(mine) else ()
-                shares.append(RankShare(r, drafts(mine), trimmed(context, mine), mine, 0))
-            else:  # CSBP: each cp sub-group trims its zigzag shard to its anchors' windows [U]
-                group = groups[r // p.cp]
-                shares.append(RankShare(r, drafts(mine), trimmed(zigzag(L, p.cp, r % p.cp, offset=L), group),
-                                        mine, r // p.cp))
+        dealt = [tuple(map(blocks.__getitem__, ix)) for ix in assign_blocks(len(blocks), p.bp, p.schedule)]
+        spans = drafts_each(dealt, b)
+        if p.kind == "bp":  # each rank's context: the prefix its anchors read, trimmed to their windows
+            unions = window_unions(dealt, L, b, W) if W is not None else [None] * len(dealt)
+            return tuple(RankShare(r, spans[r], trimmed(((L, L + max(mine) * b),) if mine and max(mine) else (),
+                                                        unions[r]), mine, 0)
+                         for r, mine in enumerate(dealt))
+        # CSBP: each cp sub-group trims its zigzag shard to its anchors' windows [U]
+        groups = [tuple(itertools.chain.from_iterable(dealt[g:g + p.cp])) for g in range(0, len(dealt), p.cp)]
+        unions = window_unions(groups, L, b, W) if W is not None else [None] * len(groups)
+        shares = [RankShare(r, spans[r], trimmed(zigzag(L, p.cp, r % p.cp, offset=L), unions[r // p.cp]),
+                            mine, r // p.cp) for r, mine in enumerate(dealt)]
         return tuple(shares)
 
 

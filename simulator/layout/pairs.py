@@ -209,22 +209,11 @@ class _WindowRuns:
 
     def __init__(self, queries: tuple[Span, ...], seq_len: int, block: int, window: int) -> None:
         L, b, w = seq_len, block, window
-        offsets = np.array(sorted({o for o in (0, w - 1, b - w) if 0 <= o < b}), dtype=np.int64)
-        firsts = []
-        for s, e in queries:
-            for base in (0, L):  # each stream's part of the span, cut at its own block edges
-                lo, hi = max(s, base), min(e, base + L)
-                if hi <= lo:
-                    continue
-                blocks = base + np.arange((lo - base) // b, (hi - 1 - base) // b + 1, dtype=np.int64) * b
-                cuts = np.concatenate([(blocks[:, None] + offsets[None, :]).ravel(), [lo, base + w - 1]])
-                firsts.append(np.append(np.unique(cuts[(cuts >= lo) & (cuts < hi)]), hi))
-        if not firsts:
+        q0, n = _run_starts(queries, L, b, w)
+        if not q0.size:
             self.n = np.zeros(0, dtype=np.int64)
             self.ends = []
             return
-        q0 = np.concatenate([f[:-1] for f in firsts])
-        n = np.concatenate([np.diff(f) for f in firsts])
         first = mask.visible_intervals(q0, L, b, w)
         last = mask.visible_intervals(q0 + n - 1, L, b, w)
         rises = [hi - lo for f, l in zip(first, last) for lo, hi in zip(f, l)]
@@ -276,6 +265,36 @@ class _WindowRuns:
                 rising = counter.summed(e0 + self.n) - counter.summed(e0)
                 total += sign * int(np.where(slope == 1, rising, flat).sum())
         return total
+
+
+def _run_starts(queries: tuple[Span, ...], L: int, b: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first query, length) of each run: every span's part in each stream (noisy [0, L), clean
+    [L, 2L)) cut at its stream's block edges plus offsets 0, W - 1 and b - W, at the part's start
+    and at W - 1 into the stream; parts in span order, noisy before clean, runs in position order
+    within a part. All parts at once: a rank holding hundreds of dealt blocks holds as many spans."""
+    spans = np.array(queries, dtype=np.int64).reshape(-1, 2)
+    base = np.tile(np.array([0, L], dtype=np.int64), len(spans))  # per part: its stream's start
+    lo = np.maximum(np.repeat(spans[:, 0], 2), base)
+    hi = np.minimum(np.repeat(spans[:, 1], 2), base + L)
+    keep = hi > lo
+    base, lo, hi = base[keep], lo[keep], hi[keep]
+    if not lo.size:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    offsets = np.array(sorted({o for o in (0, w - 1, b - w) if 0 <= o < b}), dtype=np.int64)
+    first_block = (lo - base) // b
+    count = (hi - 1 - base) // b - first_block + 1  # blocks each part touches
+    part = np.repeat(np.arange(lo.size), count)
+    k = np.arange(part.size) - np.repeat(np.cumsum(count) - count, count) + first_block[part]
+    edges = base[part] + k * b
+    cut = np.concatenate([(edges[:, None] + offsets[None, :]).ravel(), lo, base + w - 1])
+    owner = np.concatenate([np.repeat(part, offsets.size), np.arange(lo.size), np.arange(lo.size)])
+    inside = (cut >= lo[owner]) & (cut < hi[owner])
+    span = 2 * L + 1  # one sort key per (part, cut): parts apart, cuts in order, duplicates once
+    key = np.unique(owner[inside] * span + cut[inside])
+    owner, cut = key // span, key % span
+    later = np.append(cut[1:], 0)
+    same = np.append(owner[1:] == owner[:-1], False)
+    return cut, np.where(same, later, hi[owner]) - cut
 
 
 def _slope(first: np.ndarray, last: np.ndarray, n: np.ndarray) -> np.ndarray:
