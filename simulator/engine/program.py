@@ -220,7 +220,8 @@ def steps(graph: StepGraph, overlap: bool, queue_comm: bool, stretched: bool = F
         out: list[tuple] = []
         lo = 0
         for inst in instances:
-            out += _segment(graph, lo, inst.first, overlap, queue_comm, stretched)
+            if inst.first > lo:  # ops between two stamped layers (most follow one another)
+                out += _segment(graph, lo, inst.first, overlap, queue_comm, stretched)
             out.append((-1, (), _ENTER, inst, None, None))
             lo = inst.end
         out += _segment(graph, lo, len(graph.ops), overlap, queue_comm, stretched)
