@@ -47,7 +47,8 @@ import numpy as np
 
 from csbp.simulator.errors import InputError
 from csbp.simulator.layout.layout import Layout, RankShare, assign_blocks, zigzag
-from csbp.simulator.layout.spans import Span, intersect, normalize, shift, subtract
+from csbp.simulator.layout.spans import (Span, block_spans_each, flat_lists, intersect, normalize, shift,
+                                         spans_per_list, subtract)
 
 
 def anchor_blocks(n_blocks: int, anchors: int) -> tuple[int, ...]:
@@ -76,7 +77,7 @@ def window_unions(lists, seq_len: int, block: int, window: int) -> list[tuple]:
     """`window_union` of each list of blocks, all lists at once (a search deals thousands of
     anchors over up to a thousand ranks): windows of sorted blocks start and end in order, so one
     merges into the one before it in its list where it starts at or before that one's end."""
-    which, k = _flat(lists)
+    which, k = flat_lists(lists)
     order = np.lexsort((k, which))
     which, k = which[order], k[order]
     which, k = which[k != 0], k[k != 0]
@@ -85,34 +86,7 @@ def window_unions(lists, seq_len: int, block: int, window: int) -> list[tuple]:
     lo, hi = seq_len + np.maximum(0, k * block - window + 1), seq_len + k * block
     first = np.flatnonzero(np.concatenate([[True], (which[1:] != which[:-1]) | (lo[1:] > hi[:-1])]))
     last = np.append(first[1:], k.size) - 1
-    return _per_list(len(lists), which[first], lo[first], hi[last])
-
-
-def drafts_each(lists, block: int) -> list[tuple]:
-    """Each list's blocks as spans of positions, neighbours merged (`normalize`), all at once."""
-    which, k = _flat(lists)
-    if not k.size:
-        return [()] * len(lists)
-    top = int(k.max()) + 2  # one key per (list, block): lists apart, blocks in order
-    key = np.unique(which * top + k)
-    which, k = key // top, key % top
-    first = np.flatnonzero(np.concatenate([[True], (which[1:] != which[:-1]) | (k[1:] != k[:-1] + 1)]))
-    last = np.append(first[1:], k.size) - 1
-    return _per_list(len(lists), which[first], k[first] * block, (k[last] + 1) * block)
-
-
-def _flat(lists) -> tuple[np.ndarray, np.ndarray]:
-    """(which list, block) of every entry of every list."""
-    sizes = [len(x) for x in lists]
-    which = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    return which, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(sizes))
-
-
-def _per_list(n: int, which: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[tuple]:
-    out: list[list] = [[] for _ in range(n)]
-    for w, a, z in zip(which.tolist(), lo.tolist(), hi.tolist()):
-        out[w].append((a, z))
-    return [tuple(x) for x in out]
+    return spans_per_list(len(lists), which[first], lo[first], hi[last])
 
 
 @dataclass(frozen=True)
@@ -139,13 +113,13 @@ class AnchorLayout(Layout):
             return context if W is None else intersect(context, union)
 
         if p.kind in ("single", "dp"):
-            return (RankShare(0, drafts_each([blocks], b)[0], trimmed(((L, 2 * L),), every), blocks, 0),)
+            return (RankShare(0, block_spans_each([blocks], b)[0], trimmed(((L, 2 * L),), every), blocks, 0),)
         if p.kind == "cp":
-            mine = drafts_each([blocks], b)[0]
+            mine = block_spans_each([blocks], b)[0]
             return tuple(RankShare(r, mine, trimmed(zigzag(L, p.cp, r, offset=L), every), blocks, 0)
                          for r in range(p.cp))
         dealt = [tuple(map(blocks.__getitem__, ix)) for ix in assign_blocks(len(blocks), p.bp, p.schedule)]
-        spans = drafts_each(dealt, b)
+        spans = block_spans_each(dealt, b)
         if p.kind == "bp":  # each rank's context: the prefix its anchors read, trimmed to their windows
             unions = window_unions(dealt, L, b, W) if W is not None else [None] * len(dealt)
             return tuple(RankShare(r, spans[r], trimmed(((L, L + max(mine) * b),) if mine and max(mine) else (),

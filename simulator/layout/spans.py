@@ -6,7 +6,10 @@ Kept as plain tuples so layouts hash, compare and serialise trivially.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Iterable
+
+import numpy as np
 
 Span = tuple[int, int]
 
@@ -81,3 +84,33 @@ def size(spans: Iterable[Span]) -> int:
 
 def shift(spans: Iterable[Span], offset: int) -> tuple[Span, ...]:
     return tuple((a + offset, b + offset) for a, b in spans)
+
+
+def block_spans_each(lists, block: int) -> list[tuple[Span, ...]]:
+    """Each list's blocks as spans of positions, neighbours merged: `normalize` of the blocks'
+    spans, for every list at once (a layout deals thousands of blocks over up to a thousand
+    ranks: one sort instead of a pass per rank)."""
+    which, k = flat_lists(lists)
+    if not k.size:
+        return [()] * len(lists)
+    top = int(k.max()) + 2  # one key per (list, block): lists apart, blocks in order, once
+    key = np.unique(which * top + k)
+    which, k = key // top, key % top
+    first = np.flatnonzero(np.concatenate([[True], (which[1:] != which[:-1]) | (k[1:] != k[:-1] + 1)]))
+    last = np.append(first[1:], k.size) - 1
+    return spans_per_list(len(lists), which[first], k[first] * block, (k[last] + 1) * block)
+
+
+def flat_lists(lists) -> tuple[np.ndarray, np.ndarray]:
+    """(which list, value) of every entry of every list of integers, as two arrays."""
+    sizes = [len(x) for x in lists]
+    which = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    return which, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(sizes))
+
+
+def spans_per_list(n: int, which: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[tuple[Span, ...]]:
+    """Spans [lo, hi) sorted by list (`which`), back as one tuple of Python ints per list."""
+    out: list[list] = [[] for _ in range(n)]
+    for w, a, z in zip(which.tolist(), lo.tolist(), hi.tolist()):
+        out[w].append((a, z))
+    return [tuple(x) for x in out]
