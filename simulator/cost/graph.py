@@ -16,7 +16,7 @@ stream's issue order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 
 import numpy as np
@@ -64,6 +64,8 @@ class StepGraph:
     # wait for). Instances of one template run the same ops with the same relative waits: the
     # engines time one that enters as an earlier one did, shifted, as that one shifted (`program`)
     repeats: tuple[tuple[int, int, int, tuple[int, ...]], ...] = field(default=(), repr=False, compare=False)
+    # each group the builder made and how (`_Builder._regroup`'s recipes): what `placed_as` redoes
+    placed: tuple[tuple[Group, frozenset], ...] = field(default=(), repr=False, compare=False)
     _arrays: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -92,6 +94,41 @@ class StepGraph:
         """The builder `build` runs, before it appends any op: the planner's bounds read single
         works of it (a ring's hops, the EP all-to-alls, a drafter's reader ops) without a graph."""
         return _Builder(model, batch_rows(workload, model), plan, layout, gpus_per_node, **options)
+
+    def placed_as(self, plan: Plan, gpus_per_node: int) -> "StepGraph | None":
+        """This step under `plan`, a plan that differs from the one it was built for only in
+        where its groups sit (`Plan.placement`), without building it again: the builder reads a
+        placement only where it makes a group (`_regroup`; nothing else it does depends on it),
+        so the ops, waits and layers are these, each transfer on its group made again for `plan`
+        (issue 25: a re-scored plan's other placement costs a graph per search otherwise). What
+        the engines derive from the ops (steps, streams, chains) is shared. None where a group
+        cannot be told apart: one made by recipes that now give different groups."""
+        regrouped: dict[Group, Group] = {}
+        recipes: dict[Group, frozenset] = {}
+        for group, made in self.placed:
+            new = {_regroup(r, plan, gpus_per_node) for r in made}
+            if len(new) != 1:
+                return None
+            regrouped[group] = new.pop()
+            recipes[regrouped[group]] = recipes.get(regrouped[group], frozenset()) | made
+        works, which = self.works()
+        placed, moved = [], []
+        for k, w in enumerate(works):
+            if isinstance(w, Comm):
+                if w.group not in regrouped:
+                    return None
+                if regrouped[w.group] is not w.group:
+                    w = replace(w, group=regrouped[w.group])
+                    moved.append(k)
+            placed.append(w)
+        ops = list(self.ops)  # only the ops of a regrouped transfer change
+        for i in np.flatnonzero(np.isin(which, moved)).tolist():
+            ops[i] = ops[i]._replace(work=placed[which[i]])
+        graph = StepGraph(self.ranks, tuple(ops), self.model_flops, self.views, self.notes, self.repeats,
+                          tuple(recipes.items()))
+        graph._arrays.update(self._arrays)
+        graph._arrays["works"] = (placed, which)
+        return graph
 
     def flops(self, include_recompute: bool = True) -> np.ndarray:
         """FLOPs each representative rank executes in one step."""
@@ -151,6 +188,19 @@ def _interned(size: int, per_node: int, sync: tuple[tuple[int, ...], ...]) -> Gr
     return group
 
 
+def _regroup(recipe: tuple, plan: Plan, gpus_per_node: int) -> Group:
+    """The group a recipe makes under `plan`: ("axes", axes, sync, ctx_block) spans those axes
+    (`group_on_nodes`); ("ring", sync, ctx_block) is a ring step's pair, across nodes where the
+    context group it runs in spans them. The builder makes every group here, so a graph placed
+    again (`StepGraph.placed_as`) gets the groups a build under that placement would."""
+    if recipe[0] == "ring":
+        _, sync, ctx_block = recipe
+        n, per_node = group_on_nodes(plan, gpus_per_node, ("ctx",), ctx_block)
+        return _interned(2, 1 if per_node < n else 2, sync)
+    _, axes, sync, ctx_block = recipe
+    return _interned(*group_on_nodes(plan, gpus_per_node, axes, ctx_block), sync)
+
+
 class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, ObjectiveOps, LossOps, OptimizerOps,
                FP8Ops):
     """Appends the ops of one step in program order; each helper returns the ops that end it."""
@@ -159,7 +209,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
                  gpus_per_node: int, ops: list | None = None, notes: list | None = None,
                  one_bucket: bool = False, keys_at_home: bool = False,
                  implementation: "Implementation | str | None" = None, prefix: str = "",
-                 repeats: list | None = None) -> None:
+                 repeats: list | None = None, placed: dict | None = None) -> None:
         self.m, self.w, self.p, self.lay = model, workload, plan, layout
         self.prefix = prefix  # a trained stream's ops are named after it ("encoder.", "decoder.")
         self.impl = load_implementation(implementation or DEFAULT_IMPLEMENTATION)
@@ -181,6 +231,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         self.ops: list[Op] = [] if ops is None else ops  # a sub-pass appends to its parent's ops
         self.notes: list[str] = [] if notes is None else notes
         self.repeats: list = [] if repeats is None else repeats  # StepGraph.repeats, shared likewise
+        self.placed: dict = {} if placed is None else placed  # StepGraph.placed, shared likewise
         self._cache: dict = {}
         self._layers: dict[tuple, _LayerTemplate | tuple | None] = {}
         self._layer_ids: dict[tuple, int] = {}  # StepGraph.repeats' template numbers
@@ -189,14 +240,28 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         self.g_tp = self._group(("tp",), tuple((r,) for r in every))
         self.g_ep = self._group(("ep",), tuple((r,) for r in every))
         self.g_cp = self._group(("ctx",), self.cp_sync, ctx_block=len(self.cp_sync[0]))
-        # A ring over a cp group that spans nodes has a pair that does: price its steps there.
-        self.g_ring = _interned(2, 1 if self.g_cp.spans_nodes else 2, tuple((r,) for r in every))
         self.g_dense = self._group(("dp", "ctx", "ep"), (every,))
         self.g_expert = self._group(("dp", "ctx", "tp"), (every,))
 
+    @property
+    def g_ring(self) -> Group:
+        """A ring step's pair: across nodes where the cp group spans them (its steps priced there).
+        Made when a ring transfer asks for it, so that a plan without one records no ring group
+        (`StepGraph.placed_as`: under TP 2 it equals the TP group until the plan is placed again)."""
+        return self._made(("ring", tuple((r,) for r in range(self.n)), len(self.cp_sync[0])))
+
     def _group(self, axes, sync, ctx_block=None) -> Group:
-        n, per_node = group_on_nodes(self.p, self.gpn, axes, ctx_block)
-        return _interned(n, per_node, sync)
+        return self._made(("axes", tuple(axes), sync, ctx_block))
+
+    def _made(self, recipe: tuple) -> Group:
+        """The group of a recipe (`_regroup`), remembered with it for `StepGraph.placed_as`."""
+        group = _regroup(recipe, self.p, self.gpn)
+        made = self.placed.get(group)
+        if made is None:
+            self.placed[group] = {recipe}
+        elif recipe not in made:
+            made.add(recipe)
+        return group
 
     # -- small constructors -------------------------------------------------------------------
     def add(self, name: str, phase: Phase, layer: int | None, work: Work | None, *deps: Deps) -> Deps:
@@ -462,7 +527,8 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
             self.param_gather("updated-params", "param-sync", None, *self.trained_params(), step)
         self.fp8_amax(step)
         return StepGraph(self.n, tuple(self.ops), self.model_flops(), obj.passes * obj.rows_per_example,
-                         tuple(self.notes), tuple(sorted(self.repeats)))
+                         tuple(self.notes), tuple(sorted(self.repeats)),
+                         tuple((g, frozenset(made)) for g, made in self.placed.items()))
 
 
 # what other modules keep between graphs (prices, recent graphs), forgotten with the rest

@@ -153,7 +153,7 @@ class ObjectiveOps:
                 "[U: whether the reference shards each stream on its own]")
         return [type(self)(self.m, self.w, self.p, view, self.gpn, self.ops, self.notes,
                            keys_at_home=self.keys_at_home, implementation=self.impl, prefix=f"{name}.",
-                           repeats=self.repeats)
+                           repeats=self.repeats, placed=self.placed)
                 for name, view in zip(self.obj.streams, stream_views(self.lay, ownership))]
 
     def canvas_pass(self, x: Deps) -> Deps:
@@ -164,7 +164,7 @@ class ObjectiveOps:
         p = self.obj.canvas_passes
         per_stream = self.obj.streams != ("main",) and self.impl.stream_ownership == "per-stream"
         sub = type(self)(self.m, self.w, self.p, canvas_view(self.lay, per_stream), self.gpn, self.ops, self.notes,
-                       keys_at_home=self.keys_at_home, implementation=self.impl, repeats=self.repeats)
+                       keys_at_home=self.keys_at_home, implementation=self.impl, repeats=self.repeats, placed=self.placed)
         start = len(self.ops)
         for li, a in enumerate(self.m.layers):
             x = sub.layer(li, a, "forward", x)

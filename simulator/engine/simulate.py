@@ -7,13 +7,12 @@ memory it needs and the step time the closed form estimates.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
 from csbp.simulator.engine import ENGINES, simulate_graph, summarize
 from csbp.simulator.errors import InputError
-from csbp.simulator.cost.graph import ALSO_CLEARED, StepGraph
+from csbp.simulator.cost.graph import StepGraph
+from csbp.simulator.cost.recent_graphs import RecentGraphs
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.layout import kv_rows
 from csbp.simulator.workload.objectives import as_executed, counted_tokens_per_example
@@ -50,28 +49,17 @@ def loss_note(implementation: str) -> str:
             f"logits ({sum(loss.logits_buffers)} B per logit alive at it)")
 
 
-_GRAPHS: OrderedDict[tuple, tuple[ModelSpec, StepGraph]] = OrderedDict()
-_GRAPHS_KEPT = 32  # the planner re-runs its best screened plans with the event engine
-_GRAPH_OPS_KEPT = 400_000  # ... but a long ring's graph holds 100k ops: bound the memory
-ALSO_CLEARED.append(_GRAPHS.clear)
+# the planner re-runs its best screened plans with the event engine, and each at its other
+# placement; a long ring's graph holds 100k ops: bound the memory too
+_GRAPHS = RecentGraphs(kept=32, ops_kept=400_000)
 
 
 def _step_graph(model: ModelSpec, workload: Workload, plan: Plan, layout: Layout, gpus_per_node: int,
                 one_bucket: bool, implementation: str) -> StepGraph:
-    """The step graph, kept for the last few plans: engines only read a graph, so a plan
-    simulated again with another engine does not rebuild it."""
-    key = (id(model), workload, plan, gpus_per_node, one_bucket, implementation)
-    hit = _GRAPHS.get(key)
-    if hit is not None and hit[0] is model:
-        _GRAPHS.move_to_end(key)
-        return hit[1]
-    graph = StepGraph.build(model, workload, plan, layout, gpus_per_node, one_bucket=one_bucket,
-                            implementation=implementation)
-    _GRAPHS[key] = (model, graph)
-    while len(_GRAPHS) > 1 and (len(_GRAPHS) > _GRAPHS_KEPT or
-                                sum(len(g.ops) for _, g in _GRAPHS.values()) > _GRAPH_OPS_KEPT):
-        _GRAPHS.popitem(last=False)
-    return graph
+    """The step graph, kept for the last few plans (`RecentGraphs`)."""
+    return _GRAPHS.get(model, workload, plan, gpus_per_node, (one_bucket, implementation),
+                       lambda: StepGraph.build(model, workload, plan, layout, gpus_per_node,
+                                               one_bucket=one_bucket, implementation=implementation))
 
 
 def simulate(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
