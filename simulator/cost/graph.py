@@ -248,7 +248,10 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         """A ring step's pair: across nodes where the cp group spans them (its steps priced there).
         Made when a ring transfer asks for it, so that a plan without one records no ring group
         (`StepGraph.placed_as`: under TP 2 it equals the TP group until the plan is placed again)."""
-        return self._made(("ring", tuple((r,) for r in range(self.n)), len(self.cp_sync[0])))
+        ring = self.__dict__.get("_ring")
+        if ring is None:
+            ring = self._ring = self._made(("ring", tuple((r,) for r in range(self.n)), len(self.cp_sync[0])))
+        return ring
 
     def _group(self, axes, sync, ctx_block=None) -> Group:
         return self._made(("axes", tuple(axes), sync, ctx_block))

@@ -195,10 +195,17 @@ _COMPUTE, _COMM, _ENTER, _LEAVE = "compute", "comm", "enter", "leave"
 # rounding of ~1e4 additions (1e4 x 1.1e-16), far below any step time's meaning
 REPEAT_TOLERANCE = 1e-12
 # Layers shorter than this are walked: comparing an entry and shifting an earlier instance's
-# rows costs about 12 us (DiffusionGemma 256K, 4 ranks), what walking four or five steps does,
-# and a layer of 8 ops walks about that many (chains take the rest); measured on the study
-# layers of 10-15 ops: both engines 5-20 % faster; a long ring's layer holds hundreds
+# rows costs about 12 us at 4 ranks (DiffusionGemma 256K), what walking four or five steps does,
+# and a layer of 8 ops walks about that many (chains take the rest): both engines 5-20 % faster
+# on the study layers of 10-15 ops. The shift grows with the ranks and the walk hardly does
+# (numpy rows): up to 64 ranks it still pays (Nemotron-8B 1M, cp=bp=64: 12.3 -> 10.9 ms), at 256
+# it costs (10-op layers: 17 -> 19-22 ms), so wider groups shift only layers of 32 ops or more
+# (a long ring's layer holds hundreds: cp steps and hops)
 REPEAT_MIN_OPS = 8
+REPEAT_MIN_OPS_WIDE = 32
+REPEAT_WIDE_RANKS = 64
+# An entry of at most this many numbers (ranks x 2-4 rows) is compared as Python floats
+FEW_NUMBERS = 32
 
 
 def steps(graph: StepGraph, overlap: bool, queue_comm: bool, stretched: bool = False,
@@ -285,14 +292,16 @@ class _Instance:
 def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Instance]:
     """The graph's stamped layers that `run` may time as an earlier one shifted: those whose
     ops run the same works as the first instance of their template (a pass that rewrote one
-    instance's works is left to the walk), of REPEAT_MIN_OPS ops or more, with inputs, whose
+    instance's works is left to the walk), of REPEAT_MIN_OPS ops or more (REPEAT_MIN_OPS_WIDE over
+    more than REPEAT_WIDE_RANKS ranks), with inputs, whose
     every op waits for something (so that nothing in it starts before its inputs are there:
     `_Repeats.entry`) and that run nothing on an io stream (whose state the entry does not hold)."""
     _, which = graph.works()
     first_of: dict[int, tuple[bytes, bool, bool] | None] = {}
     out = []
+    least = REPEAT_MIN_OPS if graph.ranks <= REPEAT_WIDE_RANKS else REPEAT_MIN_OPS_WIDE
     for first, end, template, inputs in graph.repeats:
-        if end - first < REPEAT_MIN_OPS:
+        if end - first < least:
             continue
         if template not in first_of:  # its ops' streams and waits, read on its first instance
             on = stream[first:end]
@@ -357,17 +366,22 @@ class _Repeats:
 
     def enter(self, inst: _Instance, finish: list, state: tuple):
         """(its ops' start rows, finish rows, the streams' state after it) as an earlier
-        instance's shifted, or None: walk it (its entry is kept for `leave`). The comparison
-        runs on Python floats: a dozen numbers, where numpy's reductions cost more than the
-        arithmetic (the same IEEE differences, maxima and minima either way)."""
+        instance's shifted, or None: walk it (its entry is kept for `leave`). A few ranks' entry is
+        compared on Python floats, where numpy's reductions cost more than the arithmetic (the
+        same IEEE differences, maxima and minima either way)."""
         entry = self.entry(inst, finish, state)
+        few = entry.size <= FEW_NUMBERS
         latest = None
         for e, walked, s, f, after in self.walked.get(inst.template, ()):
-            moved = (entry - e).tolist()
-            by = max(moved)  # one time for every rank and stream
+            moved = entry - e
+            if few:
+                moved = moved.tolist()
+                by, least = max(moved), min(moved)  # one time for every rank and stream
+            else:
+                by, least = float(moved.max()), float(moved.min())
             if latest is None:
-                latest = max(entry.tolist())
-            if min(moved) < by - REPEAT_TOLERANCE * latest:
+                latest = max(entry.tolist()) if few else float(entry.max())
+            if least < by - REPEAT_TOLERANCE * latest:
                 continue
             if self._priced(walked) != self._priced(inst):
                 continue  # re-priced op by op (host crowding): not the same layer
