@@ -23,12 +23,13 @@ Pure Python + numpy: no torch, no hardware.
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from csbp.simulator.layout import mask
 from csbp.simulator.plan.plan import Plan
-from csbp.simulator.layout.spans import Span, intersect, normalize, size, subtract
+from csbp.simulator.layout.spans import Span, block_spans_each, intersect, normalize, size, subtract
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.workload.objectives import replicates_clean_under_bp
 from csbp.simulator.workload.workload import Workload
@@ -126,10 +127,15 @@ def assign_blocks(n_blocks: int, n_ranks: int, schedule: str) -> tuple[tuple[int
         rest = [n_pairs] if n_blocks % 2 else []
     else:
         rest = list(range(n_blocks - 1, -1, -1))  # heaviest first
+    # the lightest rank (fewest blocks, then lowest rank, on ties) takes the next: a heap of
+    # (load, blocks, rank), so a thousand ranks cost a thousand pops, not a scan each
+    lightest = [(load[i], len(owned[i]), i) for i in range(n_ranks)]
+    heapq.heapify(lightest)
     for blk in rest:
-        r = min(range(n_ranks), key=lambda i: (load[i], len(owned[i]), i))
+        _, _, r = heapq.heappop(lightest)
         owned[r].append(blk)
         load[r] += blk + 1
+        heapq.heappush(lightest, (load[r], len(owned[r]), r))
     return tuple(tuple(sorted(o)) for o in owned)
 
 
@@ -177,9 +183,6 @@ class Layout:
     def kind(self) -> str:
         return self.plan.kind
 
-    def _block_span(self, blk: int) -> Span:
-        return (blk * self.block, (blk + 1) * self.block)
-
     def _build_shares(self) -> tuple[RankShare, ...]:
         L, p = self.seq_len, self.plan
         kind = p.kind
@@ -191,8 +194,7 @@ class Layout:
                          for r in range(p.cp))
         blocks = assign_blocks(L // self.block, p.bp, p.schedule)
         shares = []
-        for r in range(p.bp):
-            noisy = normalize(self._block_span(b) for b in blocks[r])
+        for r, noisy in enumerate(block_spans_each(blocks, self.block)):
             if kind == "bp":  # the clean prefix its blocks read, replicated on every rank
                 clean = ((L, L + max(blocks[r]) * self.block),)
                 shares.append(RankShare(r, normalize(noisy + clean), clean, blocks[r], 0))
