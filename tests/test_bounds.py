@@ -199,11 +199,14 @@ def test_baseline_only_search_finds_the_full_searchs_baseline(name, seq_len):
     assert alone.screened <= full.screened and alone.rescored <= full.rescored
 
 
-@pytest.mark.parametrize("plan", [Plan(dp=2, cp=4), Plan(cp=8)], ids=["dp2-cp4", "cp8"])
+@pytest.mark.parametrize("plan", [Plan(dp=2, cp=4), Plan(cp=8), Plan(dp=2, cp=4, transport="ring"),
+                                  Plan(cp=8, transport="ring")],
+                         ids=["dp2-cp4", "cp8", "dp2-cp4-ring", "cp8-ring"])
 def test_sync_waits_see_ranks_waiting_for_the_slowest_at_each_all_gather(plan):
     """Reason 7 of bounds.py: under pure CP DiffusionGemma's two streams each run unbalanced
     over the 2L zigzag (`stream_ownership: shared-2l`), and every layer's K/V all-gather waits
-    for the slowest rank. The recursion sees those waits, which reason 1's per-rank sum cannot,
+    for the slowest rank; on a ring each hop waits for its sender, so the slowest reaches every
+    rank hop by hop. The recursion sees those waits, which reason 1's per-rank sum cannot,
     and stays below the closed form with every transfer at 0 s (its own recursion with fewer
     waits: equal but for summation order, hence the 1e-9)."""
     from csbp.simulator.cost.graph import Comm
@@ -222,6 +225,8 @@ def test_sync_waits_see_ranks_waiting_for_the_slowest_at_each_all_gather(plan):
     zero = durations(full, host_crowding.fastest(profile))
     zero[[isinstance(op.work, Comm) for op in full.ops]] = 0.0
     no_transfers = closed_form.run(full, zero, True, None).step_time_s
-    # the waits are 14-19 % of a rank's compute at this shape (measured 2026-12-01); 10 % pins
-    # the mechanism without pinning the model's numbers
-    assert 1.10 * sums <= waits <= no_transfers * (1 + 1e-9)
+    # the waits are 14-19 % of a rank's compute at this shape under the all-gather (measured
+    # 2026-12-01), 5-15 % on the ring (the slowest reaches the others hop by hop; 2026-12-02);
+    # 10 % and 2 % pin the mechanism without pinning the model's numbers
+    gain = 1.02 if plan.transport == "ring" else 1.10
+    assert gain * sums <= waits <= no_transfers * (1 + 1e-9)

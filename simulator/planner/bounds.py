@@ -50,7 +50,11 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    stream ends the segment before (a lower bound, by induction), the collective starts no
    earlier than T = the largest E + pre among its members, the first op waiting for it no
    earlier than max(T, E + pre + mid), so the rank ends the segment no earlier than that plus
-   post; a segment without such a collective, no earlier than E plus all its compute. This is the
+   post; a segment without such a collective, no earlier than E plus all its compute. A ring's
+   hop is such a transfer too, between two ranks: a rank's hop starts once its sender has
+   arrived at it (`engine.program.run`: p2p waits for `peer`), so there T = the larger of its own
+   E + pre and its sender's (pure CP's ring: the imbalance of the zigzag reaches every rank one
+   hop per layer, as the all-gather's slowest member does at once). This is the
    closed form's own recursion with every transfer taking 0 s, no stretch and fewer waits, so it
    is below both engines (each is monotone in every duration). Layers of a kind have the same
    segments (reason 2), so the recursion runs along the model's real layer order (forward
@@ -183,7 +187,7 @@ def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str
 def _segments(graph: StepGraph, d: np.ndarray) -> list[tuple]:
     """The compute stream's segments in program order (reason 1's): (layer, phase, run key, what
     a rank's stream does in it: ("sum", seconds) or ("sync", pre, mid, post, the collective's
-    `program.Sync` or None)), by reason 7."""
+    `program.Sync` or None, a hop's senders or None)), by reason 7."""
     from csbp.simulator.engine.program import IO_STREAMS, program
 
     per_work, (_, which) = program(graph), graph.works()
@@ -207,13 +211,14 @@ def _segments(graph: StepGraph, d: np.ndarray) -> list[tuple]:
 
 
 def _segment(ops, compute: list[int], start: int, end: int, per_work, which, d: np.ndarray, n: int) -> tuple:
-    """("sync", pre, mid, post, sync) for the segment's first collective whose members start
-    together, that waits for some of its compute and that some of its compute waits for;
-    ("sum", all its compute) where there is none (reason 7)."""
+    """("sync", pre, mid, post, sync, senders) for the segment's first transfer whose members
+    wait for each other (a collective's that start together, or a hop's sender), that waits for
+    some of its compute and that some of its compute waits for; ("sum", all its compute) where
+    there is none (reason 7)."""
     is_compute = set(compute)
     for c in range(start, end):
-        comm, sync, _ = per_work[which[c]]
-        if not comm or sync is None:
+        comm, sync, peer = per_work[which[c]]
+        if not comm or (sync is None and peer is None):
             continue
         before, stack = set(), list(ops[c].deps)  # its ancestors inside the segment
         while stack:
@@ -235,7 +240,7 @@ def _segment(ops, compute: list[int], start: int, end: int, per_work, which, d: 
         parts = [np.zeros(n), np.zeros(n), np.zeros(n)]
         for j in compute:
             parts[0 if j <= last else 1 if j < first else 2] += d[j]
-        return ("sync", *parts, sync)
+        return ("sync", *parts, sync, peer)
     return ("sum", d[compute].sum(axis=0))
 
 
@@ -257,9 +262,12 @@ def sync_waits(graph: StepGraph, d: np.ndarray, kinds: list[int]) -> dict[str, n
         if part[0] == "sum":
             added = end + part[1]
         else:
-            _, pre, mid, post, sync = part
+            _, pre, mid, post, sync, peer = part
             arrived = end + pre
-            added = np.maximum(slowest(arrived, sync), arrived + mid) + post
+            starts = arrived if sync is None else slowest(arrived, sync)
+            if peer is not None:  # a hop: also once its sender has arrived
+                starts = np.maximum(starts, starts[..., peer])
+            added = np.maximum(starts, arrived + mid) + post
         return end + skip * (added - end) if phase == "recompute" else added
 
     i = 0
