@@ -79,6 +79,7 @@ from __future__ import annotations
 import numpy as np
 
 from csbp.simulator.engine import durations, host_crowding
+from csbp.simulator.engine.program import IO_STREAMS
 from csbp.simulator.cost.graph import Comm, StepGraph
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.workload.objectives import as_executed
@@ -147,25 +148,51 @@ def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str
     (reason 1), layers weighted by the layers of their kind (`counts`, reason 2); "none" leaves
     the recompute segments out."""
     n = graph.ranks
-    never = np.full(n, -np.inf)  # ready before the segment: no wait to count
     total = {"full": np.zeros(n), "none": np.zeros(n)}
-
-    def close(segment, clock):
-        weight = 1.0 if segment[0] is None else float(counts[segment[0]])
+    durations, readers = segment_durations(graph, d)
+    for (layer, phase), clock in durations:
+        weight = 1.0 if layer is None else float(counts[layer])
         total["full"] += weight * clock
-        if segment[1] != "recompute":
+        if phase != "recompute":
             total["none"] += weight * clock
+    for busy in readers.values():  # reason 6: the step outlasts each reader stream too
+        for ckpt in total:
+            total[ckpt] = np.maximum(total[ckpt], busy)
+    return total
 
-    segment, finish, clock, computes = None, {}, np.zeros(n), False
-    readers: dict[str, np.ndarray] = {}  # per reader stream, the sum of its ops (reason 6)
-    for op, took in zip(graph.ops, d):
-        if op.stream in ("io", "h2d"):  # a background reader beside the step: its own bound (reason 6)
-            readers[op.stream] = readers.get(op.stream, np.zeros(n)) + took
+
+def segment_durations(graph: StepGraph, d: np.ndarray) -> tuple[list[tuple], dict[str, np.ndarray]]:
+    """([((layer, phase), how long the segment lasts at least on each rank)] for the compute
+    stream's segments in program order (`_alone`), and per reader stream the sum of its ops
+    (reason 6)."""
+    out: list[tuple] = []
+    readers: dict[str, np.ndarray] = {}
+    segment, members = None, []
+    for op in graph.ops:
+        if op.stream in IO_STREAMS:  # a background reader beside the step: its own bound (reason 6)
+            readers[op.stream] = readers.get(op.stream, 0.0) + d[op.index]
             continue
         if (op.layer, op.phase) != segment:
-            if computes:
-                close(segment, clock)
-            segment, finish, clock, computes = (op.layer, op.phase), {}, np.zeros(n), False
+            lasts = _alone(members, d, graph.ranks)
+            if lasts is not None:
+                out.append((segment, lasts))
+            segment, members = (op.layer, op.phase), []
+        members.append(op)
+    lasts = _alone(members, d, graph.ranks)
+    if lasts is not None:
+        out.append((segment, lasts))
+    return out, readers
+
+
+def _alone(ops: list, d: np.ndarray, n: int) -> np.ndarray | None:
+    """How long a segment's compute stream lasts at least on each rank (reason 1): its ops
+    alone, in program order, inputs from other segments ready at its start, transfers as soon
+    as their inputs are; None if it runs no compute op."""
+    never = np.full(n, -np.inf)  # ready before the segment: no wait to count
+    finish: dict[int, np.ndarray] = {}
+    clock, computes = np.zeros(n), False
+    for op in ops:
+        took = d[op.index]
         ready = never
         for j in op.deps:
             if j in finish:
@@ -176,19 +203,15 @@ def segment_sums(graph: StepGraph, counts: list[int], d: np.ndarray) -> dict[str
             clock = np.maximum(clock, ready) + took
             finish[op.index] = clock
             computes = True
-    if computes:
-        close(segment, clock)
-    for busy in readers.values():  # reason 6: the step outlasts each reader stream too
-        for ckpt in total:
-            total[ckpt] = np.maximum(total[ckpt], busy)
-    return total
+    return clock if computes else None
 
 
 def _segments(graph: StepGraph, d: np.ndarray) -> list[tuple]:
     """The compute stream's segments in program order (reason 1's): (layer, phase, run key, what
     a rank's stream does in it: ("sum", seconds) or ("sync", pre, mid, post, the collective's
-    `program.Sync` or None, a hop's senders or None)), by reason 7."""
-    from csbp.simulator.engine.program import IO_STREAMS, program
+    `program.Sync` or None, a hop's senders or None), by reason 7; how long it lasts at least
+    from its start, by reason 1: `_alone`)."""
+    from csbp.simulator.engine.program import program
 
     per_work, (_, which) = program(graph), graph.works()
     n = graph.ranks
@@ -205,7 +228,8 @@ def _segments(graph: StepGraph, d: np.ndarray) -> list[tuple]:
             head = ops[compute[0]].name.split(".", 1)[0]
             stream = head if head in ("encoder", "decoder", "selfcond") else ""
             run = (stream, "forward" if key[1] == "forward" else "backward")
-            out.append((key[0], key[1], run, _segment(ops, compute, start, end, per_work, which, d, n)))
+            alone = _alone([ops[i] for i in inside if ops[i].stream not in IO_STREAMS], d, n)
+            out.append((key[0], key[1], run, _segment(ops, compute, start, end, per_work, which, d, n), alone))
         start = end
     return out
 
@@ -253,43 +277,43 @@ def sync_waits(graph: StepGraph, d: np.ndarray, kinds: list[int]) -> dict[str, n
 
     segments = _segments(graph, d)
     n = graph.ranks
-    if not any(part[0] == "sync" for *_, part in segments):
+    if not any(part[0] == "sync" for *_, part, _ in segments):
         return {"full": np.zeros(n), "none": np.zeros(n)}
     end = np.zeros((2, n))  # [full, none]
     skip = np.array([[1.0], [0.0]])  # a recompute segment counts in "full" only
 
-    def step(end: np.ndarray, part: tuple, phase: str) -> np.ndarray:
+    def step(end: np.ndarray, part: tuple, phase: str, lasts: np.ndarray) -> np.ndarray:
         if part[0] == "sum":
-            added = end + part[1]
+            added = end + np.maximum(part[1], lasts)
         else:
             _, pre, mid, post, sync, peer = part
             arrived = end + pre
             starts = arrived if sync is None else slowest(arrived, sync)
             if peer is not None:  # a hop: also once its sender has arrived
                 starts = np.maximum(starts, starts[..., peer])
-            added = np.maximum(starts, arrived + mid) + post
+            added = np.maximum(np.maximum(starts, arrived + mid) + post, end + lasts)
         return end + skip * (added - end) if phase == "recompute" else added
 
     i = 0
     while i < len(segments):
-        layer, phase, run, part = segments[i]
+        layer, phase, run, part, lasts = segments[i]
         if layer is None:
-            end = step(end, part, phase)
+            end = step(end, part, phase, lasts)
             i += 1
             continue
         # a pass over the layers: its segments by (kind, phase), one layer's phases in order
         j, found, pattern = i, {}, []
         while j < len(segments) and segments[j][0] is not None and segments[j][2] == run:
-            found[segments[j][0], segments[j][1]] = segments[j][3]
+            found[segments[j][0], segments[j][1]] = segments[j][3:]
             if segments[j][0] == segments[i][0] and segments[j][1] not in pattern:
                 pattern.append(segments[j][1])
             j += 1
         order = range(len(kinds)) if run[1] == "forward" else range(len(kinds) - 1, -1, -1)
         for li in order:
             for ph in pattern:
-                part = found.get((kinds[li], ph))
-                if part is not None:
-                    end = step(end, part, ph)
+                got = found.get((kinds[li], ph))
+                if got is not None:
+                    end = step(end, got[0], ph, got[1])
         i = j
     return {"full": end[0], "none": end[1]}
 
