@@ -54,9 +54,13 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    hop is such a transfer too, between two ranks: a rank's hop starts once its sender has
    arrived at it (`engine.program.run`: p2p waits for `peer`), so there T = the larger of its own
    E + pre and its sender's (pure CP's ring: the imbalance of the zigzag reaches every rank one
-   hop per layer, as the all-gather's slowest member does at once). This is the
-   closed form's own recursion with every transfer taking 0 s, no stretch and fewer waits, so it
-   is below both engines (each is monotone in every duration). Layers of a kind have the same
+   hop per layer, as the all-gather's slowest member does at once). That is the closed form's
+   own recursion with every transfer taking 0 s, no stretch and fewer waits, below both engines
+   (each is monotone in every duration); and by reason 1 the segment also ends no earlier than
+   E plus how long its ops alone last from its start (`_alone`: its own transfers' waits), so
+   each segment ends at the larger of the two and the next starts from there: cross-rank waits
+   and a segment's own transfer waits (EP all-to-alls, K/V arrivals) add up instead of the
+   bound being the larger of two sums. Layers of a kind have the same
    segments (reason 2), so the recursion runs along the model's real layer order (forward
    ascending, recompute and backward descending, each pass and stream as the graph has them)
    with each layer's kind's segments from the one-layer-per-kind graph: per layer a few array
