@@ -195,7 +195,8 @@ def _group_rows(layout: Layout, g: tuple[int, ...], starts: np.ndarray, stops: n
                 src: np.ndarray, window: int) -> np.ndarray:
     """`_alltoall_rows` of one cp group whose owned shards are disjoint, every member at once:
     the K/V spans each member's queries read (`Layout.needed_kv`'s per-block intervals, as
-    arrays, merged as `normalize` merges them), then per owned span of every member the rows of
+    arrays, a clean span's blocks as the one span they merge into, merged as `normalize` merges
+    them), then per owned span of every member the rows of
     it the reader needs, from the reader's prefix sums of needed rows. A member's own rows are
     not sent (its diagonal is 0); since the shards are disjoint, its own shard never overlaps
     another member's, so nothing else changes by not subtracting it first. Same integers as
@@ -208,21 +209,34 @@ def _group_rows(layout: Layout, g: tuple[int, ...], starts: np.ndarray, stops: n
     if not q or not starts.size:
         return out
     who, q0, q1 = np.array(q, dtype=np.int64).T
+    # clean queries (at or above L): each block's keys [first - W + 1, its end or last + W) touch
+    # the next block's (W >= 1, so a whole block's reach ends where the next one starts), so a
+    # span's blocks read one merged span, from its first query's window to its last block's end:
+    # counted per span, not per block (a clean shard holds hundreds of blocks)
+    c0, c1 = np.maximum(q0, L), q1
+    clean = c1 > c0
+    cw, c0, c1 = who[clean], c0[clean] - L, c1[clean] - L  # original positions
+    last_block = (c1 - 1) // b * b
+    clean_s = L + np.maximum(0, c0 - W + 1)
+    clean_e = L + np.minimum(last_block + b, c1 - 1 + W)
+    # noisy queries, block by block: own noisy block (up to the window) + earlier clean blocks
+    q1 = np.minimum(q1, L)
+    keep = q1 > q0
+    who, q0, q1 = who[keep], q0[keep], q1[keep]
     k0, k1 = q0 // b, (q1 - 1) // b
     count = np.maximum(k1 - k0 + 1, 0)
     span = np.repeat(np.arange(q0.size), count)
     blk_start = (k0[span] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)) * b
     a, z = np.maximum(q0[span], blk_start), np.minimum(q1[span], blk_start + b)
-    i0, first, last = blk_start % L, a % L, (z - 1) % L  # original positions
+    i0, first, last = blk_start, a, z - 1  # below L: original positions
     lo = np.maximum(0, first - W + 1)
     hi = np.minimum(i0 + b, last + W)
-    noisy = a < L
-    # noisy queries: own noisy block + earlier clean blocks; clean: clean blocks up to their own
-    s1 = np.where(noisy, np.maximum(blk_start, a - (first - lo)), L + lo)
-    e1 = np.where(noisy, np.minimum(blk_start + b, z - 1 + (hi - last)), L + hi)
-    s2, e2 = (L + lo)[noisy], (L + i0)[noisy]
-    off = np.concatenate([who[span], who[span][noisy]]) * far
-    ns, ne = np.concatenate([s1, s2]) + off, np.concatenate([e1, e2]) + off
+    s1 = np.maximum(blk_start, a - (first - lo))
+    e1 = np.minimum(blk_start + b, z - 1 + (hi - last))
+    s2, e2 = L + lo, L + i0
+    off = np.concatenate([who[span], who[span], cw]) * far
+    ns = np.concatenate([s1, s2, clean_s]) + off
+    ne = np.concatenate([e1, e2, clean_e]) + off
     keep = ne > ns
     ns, ne = ns[keep], ne[keep]
     o = np.lexsort((ne, ns))
