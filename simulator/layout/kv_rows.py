@@ -169,6 +169,7 @@ def _alltoall_rows(layout: Layout, window: int) -> np.ndarray:
         return layout.derived[key]
     n = layout.size
     rows = np.zeros((n, n), dtype=np.int64)
+    disjoint = []  # groups whose members' shards do not overlap: counted all at once
     for g in layout.cp_groups():
         owned = [normalize(layout.shares[r].owned_kv) for r in g]
         starts = np.array([s for spans in owned for s, _ in spans], dtype=np.int64)
@@ -177,7 +178,7 @@ def _alltoall_rows(layout: Layout, window: int) -> np.ndarray:
         order = np.argsort(starts, kind="stable")
         if (starts.size and (stops[order][:-1] <= starts[order][1:]).all()  # shards disjoint
                 and type(layout).needed_kv is Layout.needed_kv):  # the rule `_group_rows` follows
-            rows[np.ix_(g, g)] = _group_rows(layout, g, starts, stops, src, window)
+            disjoint.append((g, starts, stops, src))
             continue
         for dst, mine in zip(g, owned):
             need = subtract(layout.needed_kv(dst, window), mine)
@@ -187,27 +188,27 @@ def _alltoall_rows(layout: Layout, window: int) -> np.ndarray:
             overlap = np.minimum(e[:, None], stops) - np.maximum(s[:, None], starts)
             np.add.at(rows[dst], src, np.maximum(overlap, 0).sum(axis=0))
             rows[dst, dst] = 0
+    if disjoint:
+        _group_rows(layout, disjoint, window, rows)
     layout.derived[key] = rows
     return rows
 
 
-def _group_rows(layout: Layout, g: tuple[int, ...], starts: np.ndarray, stops: np.ndarray,
-                src: np.ndarray, window: int) -> np.ndarray:
-    """`_alltoall_rows` of one cp group whose owned shards are disjoint, every member at once:
-    the K/V spans each member's queries read (`Layout.needed_kv`'s per-block intervals, as
-    arrays, a clean span's blocks as the one span they merge into, merged as `normalize` merges
-    them), then per owned span of every member the rows of
-    it the reader needs, from the reader's prefix sums of needed rows. A member's own rows are
-    not sent (its diagonal is 0); since the shards are disjoint, its own shard never overlaps
-    another member's, so nothing else changes by not subtracting it first. Same integers as
-    the span-by-span count (tests/test_kv_rows.py)."""
+def _group_rows(layout: Layout, groups: list[tuple], window: int, rows: np.ndarray) -> None:
+    """`_alltoall_rows` of the cp groups whose members' shards are disjoint, every member of
+    every such group at once, into `rows`: the K/V spans each member's queries read
+    (`Layout.needed_kv`'s per-block intervals, as arrays, a clean span's blocks as the one span
+    they merge into, merged as `normalize` merges them), then per owned span of its group the
+    rows of it the reader needs, from the reader's prefix sums of needed rows. A member's own
+    rows are not sent (its diagonal is 0); since the shards are disjoint, its own shard never
+    overlaps another member's, so nothing else changes by not subtracting it first. `groups`:
+    (members, owned span starts, stops, owners) each. Same integers as the span-by-span count
+    (tests/test_kv_rows.py)."""
     L, b, W = layout.seq_len, layout.block, window
-    far = 4 * L  # past every position: member i's spans at i * far never touch member i + 1's
-    q = [(i, a, z) for i, r in enumerate(g) for a, z in layout.shares[r].positions]
-    m = len(g)
-    out = np.zeros((m, m), dtype=np.int64)
-    if not q or not starts.size:
-        return out
+    far = 4 * L  # past every position: rank r's spans at r * far never touch rank r + 1's
+    q = [(r, a, z) for g, *_ in groups for r in g for a, z in layout.shares[r].positions]
+    if not q:
+        return
     who, q0, q1 = np.array(q, dtype=np.int64).T
     # clean queries (at or above L): each block's keys [first - W + 1, its end or last + W) touch
     # the next block's (W >= 1, so a whole block's reach ends where the next one starts), so a
@@ -252,10 +253,16 @@ def _group_rows(layout: Layout, g: tuple[int, ...], starts: np.ndarray, stops: n
         kk = np.maximum(k, 0)
         return np.where(k >= 0, before[kk] + np.maximum(np.minimum(x, seg_z[kk]) - seg_a[kk], 0), 0)
 
-    base = (np.arange(m, dtype=np.int64) * far)[:, None]  # [reader, owned span]
-    per_span = needed_below(base + stops[None, :]) - needed_below(base + starts[None, :])
-    index = {r: i for i, r in enumerate(g)}
-    member = np.array([index[int(r)] for r in src], dtype=np.int64)  # src rank -> member
-    np.add.at(out.T, member, per_span.T)
-    np.fill_diagonal(out, 0)
-    return out
+    # every reader against every owned span of its group: its group's spans repeated per member
+    owned = np.array([len(src) for _, _, _, src in groups], dtype=np.int64)  # owned spans per group
+    members = np.array([len(g) for g, *_ in groups], dtype=np.int64)
+    group_from = np.repeat(np.cumsum(owned) - owned, members)  # per reader: its group's first span
+    reader = np.concatenate([np.asarray(g, dtype=np.int64) for g, *_ in groups])
+    per_reader = np.repeat(owned, members)
+    pick = np.repeat(group_from - np.cumsum(per_reader) + per_reader, per_reader) + np.arange(int(per_reader.sum()))
+    owned_lo, owned_hi = np.concatenate([st for _, st, _, _ in groups]), np.concatenate([sp for _, _, sp, _ in groups])
+    owner = np.concatenate([src for *_, src in groups])
+    reader, owned_lo, owned_hi, owner = np.repeat(reader, per_reader), owned_lo[pick], owned_hi[pick], owner[pick]
+    per_span = needed_below(reader * far + owned_hi) - needed_below(reader * far + owned_lo)
+    np.add.at(rows, (reader, owner), per_span)
+    rows[reader, reader] = 0
