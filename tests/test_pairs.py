@@ -98,3 +98,32 @@ def test_window_runs_equal_the_per_position_counts_on_real_layouts():
         for r in rng.sample(range(lay.size), min(3, lay.size)):
             for w in (100, 256, 1024, 4096):
                 _check(lay.shares[r].positions, lay.seq_len, lay.block, w, shards + [((0, 2 * lay.seq_len),)])
+
+
+def test_pairs_with_every_rank_at_once_equal_rank_by_rank():
+    """`pairs.pairs_with_ranks` (every rank's queries and keys at once, issue 25) counts what
+    `QueryIntervals.pairs_with` counts rank by rank, with and without a window, on random
+    layouts (DP, CP, BP, CSBP, a drafter's anchors) and key sets (a rank's own rows, its noisy
+    blocks, everything, nothing). Exact: integer counts either way."""
+    from csbp.simulator.layout.objective_layout import AnchorLayout
+    from csbp.simulator.layout.pairs import pairs_with_ranks
+
+    rng = random.Random(25)
+    checked = 0
+    while checked < 120:
+        b = rng.choice([1, 3, 8, 16, 100]); blocks = rng.choice([4, 8, 16, 64]); L = b * blocks
+        cp = rng.choice([1, 2, 4]); bp = rng.choice([1, 2, 4]) * cp
+        if bp > blocks or L % (2 * cp):
+            continue
+        plan = Plan(cp=cp, bp=bp, schedule=rng.choice(["dual-end", "contiguous"])) if bp > 1 else \
+            Plan(cp=cp) if cp > 1 else Plan()
+        if rng.random() < 0.8:
+            lay = Layout(L, b, plan)
+        else:
+            lay = AnchorLayout(L, b, plan, "full", anchors=max(1, blocks // 3), window=rng.choice([None, 3 * b]))
+        window = rng.choice([None, 1, b, b + 1, rng.randint(1, 2 * L)])
+        keys = [normalize(rng.choice([s.positions + s.owned_kv, s.owned_kv, ((0, 2 * L),), (),
+                                      tuple(p for p in s.positions if p[0] < L)])) for s in lay.shares]
+        one_by_one = [QueryIntervals.of(lay, r, window).pairs_with(keys[r]) for r in range(lay.size)]
+        assert pairs_with_ranks(lay, keys, window).tolist() == one_by_one
+        checked += 1

@@ -98,19 +98,20 @@ class AttentionOps:
             return [("attn.heads", np.full(self.n, every), np.full(self.n, length), np.full(self.n, length))]
         if pattern != "ring" and cut == "whole":
             return [("attn", total, self.positions + kv_rows.received(lay, a, "forward").astype(float))]
-        queries = self.derived(("query-intervals", window),
-                               lambda: [QueryIntervals.of(lay, r, window) for r in range(self.n)])
-        if pattern != "ring" and cut != "steps":
+        local_keys = [self.local_keys(r) for r in range(self.n)]
+        if pattern != "ring" and cut != "steps":  # every rank's pairs at once (pairs.pairs_with_ranks)
             received = kv_rows.received(lay, a, "forward").astype(float)
             if cut == "noisy-prefix":
                 own = [self.noisy_spans(r) for r in range(self.n)]
-                block = np.array([queries[r].pairs_with(own[r]) for r in range(self.n)], dtype=float)
+                block = pairs.pairs_with_ranks(lay, own, window).astype(float)
                 noisy = np.array([sum(z - q for q, z in own[r]) for r in range(self.n)], dtype=float)
                 clean = self.positions - noisy + received
                 return [("attn.noisy-block", block, noisy), ("attn.prefix", total - block, clean)]
-            local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
+            local = pairs.pairs_with_ranks(lay, local_keys, window).astype(float)
             return [("attn.local", local, self.positions), ("attn.remote", total - local, received)]
-        local = np.array([queries[r].pairs_with(self.local_keys(r)) for r in range(self.n)], dtype=float)
+        queries = self.derived(("query-intervals", window),
+                               lambda: [QueryIntervals.of(lay, r, window) for r in range(self.n)])
+        local = pairs.pairs_with_ranks(lay, local_keys, window).astype(float)
         parts = [("attn.local", local, self.positions)]
         owned = kv_rows.owned_rows(lay).astype(float)
         m = len(self.cp_sync[0])

@@ -208,26 +208,8 @@ class _WindowRuns:
     Integer arithmetic throughout: the counts are exact."""
 
     def __init__(self, queries: tuple[Span, ...], seq_len: int, block: int, window: int) -> None:
-        L, b, w = seq_len, block, window
-        q0, n = _run_starts(queries, L, b, w)
-        if not q0.size:
-            self.n = np.zeros(0, dtype=np.int64)
-            self.ends = []
-            return
-        first = mask.visible_intervals(q0, L, b, w)
-        last = mask.visible_intervals(q0 + n - 1, L, b, w)
-        rises = [hi - lo for f, l in zip(first, last) for lo, hi in zip(f, l)]
-        affine = np.logical_and.reduce([(r == 0) | (r == n - 1) for r in rises])
-        if not affine.all():  # defensive: read such runs query by query (no case found needs it)
-            odd = np.flatnonzero(~affine)
-            single = np.concatenate([np.arange(q0[i], q0[i] + n[i]) for i in odd])
-            q0 = np.concatenate([q0[affine], single])
-            n = np.concatenate([n[affine], np.ones(single.size, dtype=np.int64)])
-            first = mask.visible_intervals(q0, L, b, w)
-            last = mask.visible_intervals(q0 + n - 1, L, b, w)
-        # per interval (own, prefix): (start e0, start slope), (stop e0, stop slope)
-        self.n = n
-        self.ends = [((f[0], _slope(f[0], l[0], n)), (f[1], _slope(f[1], l[1], n))) for f, l in zip(first, last)]
+        q0, n, _ = _run_starts(queries, seq_len, block, window)
+        self.n, self.ends, _ = _affine_runs(q0, n, seq_len, block, window)
 
     def total(self) -> int:
         n, tri = self.n, self.n * (self.n - 1) // 2
@@ -267,11 +249,12 @@ class _WindowRuns:
         return total
 
 
-def _run_starts(queries: tuple[Span, ...], L: int, b: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+def _run_starts(queries: tuple[Span, ...], L: int, b: int, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first query, length) of each run: every span's part in each stream (noisy [0, L), clean
     [L, 2L)) cut at its stream's block edges plus offsets 0, W - 1 and b - W, at the part's start
     and at W - 1 into the stream; parts in span order, noisy before clean, runs in position order
-    within a part. All parts at once: a rank holding hundreds of dealt blocks holds as many spans."""
+    within a part, and the query span each run is in. All parts at once: a rank holding hundreds of
+    dealt blocks holds as many spans (and `pairs_with_ranks` passes every rank's spans)."""
     spans = np.array(queries, dtype=np.int64).reshape(-1, 2)
     base = np.tile(np.array([0, L], dtype=np.int64), len(spans))  # per part: its stream's start
     lo = np.maximum(np.repeat(spans[:, 0], 2), base)
@@ -279,7 +262,7 @@ def _run_starts(queries: tuple[Span, ...], L: int, b: int, w: int) -> tuple[np.n
     keep = hi > lo
     base, lo, hi = base[keep], lo[keep], hi[keep]
     if not lo.size:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     offsets = np.array(sorted({o for o in (0, w - 1, b - w) if 0 <= o < b}), dtype=np.int64)
     first_block = (lo - base) // b
     count = (hi - 1 - base) // b - first_block + 1  # blocks each part touches
@@ -294,7 +277,114 @@ def _run_starts(queries: tuple[Span, ...], L: int, b: int, w: int) -> tuple[np.n
     owner, cut = key // span, key % span
     later = np.append(cut[1:], 0)
     same = np.append(owner[1:] == owner[:-1], False)
-    return cut, np.where(same, later, hi[owner]) - cut
+    return cut, np.where(same, later, hi[owner]) - cut, (np.flatnonzero(keep) // 2)[owner]
+
+
+def _affine_runs(q0: np.ndarray, n: np.ndarray, L: int, b: int, w: int, tag: np.ndarray | None = None):
+    """(run lengths, per interval (own, prefix) its ((start e0, slope), (stop e0, slope)), `tag`
+    per run) of runs starting at `q0` (`_WindowRuns`); a run whose ends do not rise by 0 or 1
+    per query is read query by query, its queries keeping its tag."""
+    if not q0.size:
+        return np.zeros(0, dtype=np.int64), [], tag
+    first = mask.visible_intervals(q0, L, b, w)
+    last = mask.visible_intervals(q0 + n - 1, L, b, w)
+    rises = [hi - lo for f, l in zip(first, last) for lo, hi in zip(f, l)]
+    affine = np.logical_and.reduce([(r == 0) | (r == n - 1) for r in rises])
+    if not affine.all():  # defensive: read such runs query by query (no case found needs it)
+        odd = np.flatnonzero(~affine)
+        single = np.concatenate([np.arange(q0[i], q0[i] + n[i]) for i in odd])
+        if tag is not None:
+            tag = np.concatenate([tag[affine], np.repeat(tag[odd], n[odd])])
+        q0 = np.concatenate([q0[affine], single])
+        n = np.concatenate([n[affine], np.ones(single.size, dtype=np.int64)])
+        first = mask.visible_intervals(q0, L, b, w)
+        last = mask.visible_intervals(q0 + n - 1, L, b, w)
+    ends = [((f[0], _slope(f[0], l[0], n)), (f[1], _slope(f[1], l[1], n))) for f, l in zip(first, last)]
+    return n, ends, tag
+
+
+def pairs_with_ranks(layout: Layout, keys: list[tuple[Span, ...]], window: int | None = None) -> np.ndarray:
+    """[rank] pairs of each rank's queries whose key lies in keys[rank]:
+    `QueryIntervals.pairs_with` of every rank at once (an attention split counts a layout's
+    ranks one by one otherwise: ~100 ms for 256 windowed ranks). The queries of all ranks as one
+    set of representative queries (a block's, or a window's runs) tagged by rank, every rank's
+    keys in one `_RankKeys`; the same integer sums per rank."""
+    n_ranks, L, b = layout.size, layout.seq_len, layout.block
+    out = np.zeros(n_ranks, dtype=np.int64)
+    spans = [share.positions for share in layout.shares]
+    counter = _RankKeys([normalize(k) for k in keys], 4 * L)
+    if window is None:  # one representative query per (rank, block), weighted by its positions
+        rank, q, weight = _touched_blocks_ranks(spans, b)
+        if not q.size:
+            return out
+        for lo, hi in mask.visible_intervals(q * b, L, b, None):
+            np.add.at(out, rank, (counter.below(hi, rank) - counter.below(lo, rank)) * weight)
+        return out
+    owner = np.repeat(np.arange(n_ranks), [len(p) for p in spans])
+    q0, n, which = _run_starts(tuple(p for ps in spans for p in ps), L, b, window)
+    n, ends, rank = _affine_runs(q0, n, L, b, window, owner[which] if which.size else which)
+    for interval in ends:
+        for sign, (e0, slope) in zip((-1, 1), interval):
+            flat = n * counter.below(e0, rank)
+            rising = counter.summed(e0 + n, rank) - counter.summed(e0, rank)
+            np.add.at(out, rank, sign * np.where(slope == 1, rising, flat))
+    return out
+
+
+class _RankKeys:
+    """`_KeyPrefix` of every rank's own keys at once: K_r(x), the keys of rank r below x, and
+    R_r(x) = sum of K_r(y) over y < x. The spans of all ranks in one array, rank after rank,
+    searched by (rank, position) (`top`: past every position), counted with running sums from
+    the rank's first span (no sum crosses ranks, so none outgrows one rank's)."""
+
+    def __init__(self, keys: list[tuple[Span, ...]], top: int) -> None:
+        sizes = [len(k) for k in keys]
+        self.first = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # rank r: [first[r], first[r + 1])
+        rank = np.repeat(np.arange(len(keys), dtype=np.int64), sizes)
+        self.s, self.e = np.array([span for k in keys for span in k], dtype=np.int64).reshape(-1, 2).T
+        self.top = top
+        self.ks, self.ke = rank * top + self.s, rank * top + self.e
+        size = self.e - self.s
+        self.size = np.concatenate([[0], np.cumsum(size)])
+        self.const = np.concatenate([[0], np.cumsum(size * (size + 1) // 2 - (1 + self.e) * size)])
+
+    def below(self, x: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        if not self.s.size:
+            return np.zeros(np.shape(x), dtype=np.int64)
+        k = np.searchsorted(self.ks, rank * self.top + x, side="right")  # spans starting at or before x
+        mine = k > self.first[rank]  # one of them is the rank's own
+        last = np.maximum(k - 1, 0)
+        inside = np.where(mine, np.minimum(x - self.s[last], self.e[last] - self.s[last]), 0)
+        return np.where(mine, self.size[last] - self.size[self.first[rank]], 0) + inside
+
+    def summed(self, x: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        if not self.s.size:
+            return np.zeros(np.shape(x), dtype=np.int64)
+        done = np.searchsorted(self.ke, rank * self.top + x, side="right")  # the rank's spans with e <= x end here
+        base = self.first[rank]
+        out = x * (self.size[done] - self.size[base]) + self.const[done] - self.const[base]
+        j = np.minimum(done, self.s.size - 1)
+        t = np.where((done < self.first[rank + 1]) & (x > self.s[j]), x - self.s[j], 0)  # the span x is inside
+        return out + t * (t - 1) // 2
+
+
+def _touched_blocks_ranks(spans: list[tuple[Span, ...]], block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_touched_blocks` of every rank's spans at once: (rank, block, positions in it) per
+    (rank, block) the rank's spans touch, rank after rank, blocks in order."""
+    flat = [span for ps in spans for span in ps]
+    if not flat:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    owner = np.repeat(np.arange(len(spans), dtype=np.int64), [len(p) for p in spans])
+    lo, hi = np.array(flat, dtype=np.int64).T
+    k0, k1 = lo // block, (hi - 1) // block
+    count = k1 - k0 + 1
+    span = np.repeat(np.arange(lo.size), count)
+    ids = k0[span] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    positions = np.minimum(hi[span], (ids + 1) * block) - np.maximum(lo[span], ids * block)
+    rank = owner[span]
+    first = np.flatnonzero(np.concatenate([[True], (ids[1:] != ids[:-1]) | (rank[1:] != rank[:-1])]))
+    return rank[first], ids[first], np.add.reduceat(positions, first)
 
 
 def _slope(first: np.ndarray, last: np.ndarray, n: np.ndarray) -> np.ndarray:
