@@ -16,6 +16,7 @@ stream's issue order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from itertools import count
 
@@ -243,15 +244,12 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
         self.g_dense = self._group(("dp", "ctx", "ep"), (every,))
         self.g_expert = self._group(("dp", "ctx", "tp"), (every,))
 
-    @property
+    @functools.cached_property
     def g_ring(self) -> Group:
         """A ring step's pair: across nodes where the cp group spans them (its steps priced there).
         Made when a ring transfer asks for it, so that a plan without one records no ring group
         (`StepGraph.placed_as`: under TP 2 it equals the TP group until the plan is placed again)."""
-        ring = self.__dict__.get("_ring")
-        if ring is None:
-            ring = self._ring = self._made(("ring", tuple((r,) for r in range(self.n)), len(self.cp_sync[0])))
-        return ring
+        return self._made(("ring", tuple((r,) for r in range(self.n)), len(self.cp_sync[0])))
 
     def _group(self, axes, sync, ctx_block=None) -> Group:
         return self._made(("axes", tuple(axes), sync, ctx_block))
@@ -259,11 +257,7 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
     def _made(self, recipe: tuple) -> Group:
         """The group of a recipe (`_regroup`), remembered with it for `StepGraph.placed_as`."""
         group = _regroup(recipe, self.p, self.gpn)
-        made = self.placed.get(group)
-        if made is None:
-            self.placed[group] = {recipe}
-        elif recipe not in made:
-            made.add(recipe)
+        self.placed.setdefault(group, set()).add(recipe)
         return group
 
     # -- small constructors -------------------------------------------------------------------

@@ -76,15 +76,8 @@ class QueryIntervals:
             return self._runs.pairs_with(keys) if keys else 0
         if not keys or self.weight.size == 0:
             return 0
-        starts, stops = np.array(keys, dtype=np.int64).T
-        before = np.concatenate([[0], np.cumsum(stops - starts)])
-
-        def keys_below(x: np.ndarray) -> np.ndarray:
-            k = np.searchsorted(starts, x, side="right")  # spans starting at or before x
-            last = np.maximum(k - 1, 0)
-            return np.where(k > 0, before[last] + np.minimum(x - starts[last], stops[last] - starts[last]), 0)
-
-        return int(sum(((keys_below(z) - keys_below(a)) * self.weight).sum() for a, z in self.intervals))
+        one = np.zeros(self.weight.size, dtype=np.int64)  # every query of the one rank
+        return int(_block_pairs(_RankKeys([keys]), one, self.intervals, self.weight).sum())
 
     def queries_seeing_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
         """Queries with at least one visible key in each key set: the query rows a call over
@@ -239,14 +232,8 @@ class _WindowRuns:
         stops minus those below its starts, as sums of K (keys below) or of its prefix sums R."""
         if not self.n.size:
             return 0
-        counter = _KeyPrefix(keys)
-        total = 0
-        for ends in self.ends:
-            for sign, (e0, slope) in zip((-1, 1), ends):
-                flat = self.n * counter.below(e0)
-                rising = counter.summed(e0 + self.n) - counter.summed(e0)
-                total += sign * int(np.where(slope == 1, rising, flat).sum())
-        return total
+        one = np.zeros(self.n.size, dtype=np.int64)  # every run of the one rank
+        return int(_run_pairs(_RankKeys([keys]), one, self.n, self.ends).sum())
 
 
 def _run_starts(queries: tuple[Span, ...], L: int, b: int, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -317,27 +304,44 @@ def pairs_with_ranks(layout: Layout, keys: list[tuple[Span, ...]], window: int |
         rank, q, weight = _touched_blocks_ranks(spans, b)
         if not q.size:
             return out
-        for lo, hi in mask.visible_intervals(q * b, L, b, None):
-            np.add.at(out, rank, (counter.below(hi, rank) - counter.below(lo, rank)) * weight)
+        np.add.at(out, rank, _block_pairs(counter, rank, mask.visible_intervals(q * b, L, b, None), weight))
         return out
     owner = np.repeat(np.arange(n_ranks), [len(p) for p in spans])
     q0, n, which = _run_starts(tuple(p for ps in spans for p in ps), L, b, window)
     n, ends, rank = _affine_runs(q0, n, L, b, window, owner[which] if which.size else which)
+    if n.size:
+        np.add.at(out, rank, _run_pairs(counter, rank, n, ends))
+    return out
+
+
+def _block_pairs(counter: "_RankKeys", rank: np.ndarray, intervals, weight: np.ndarray) -> np.ndarray:
+    """Per representative query (one per block, `weight` positions each): its pairs with its
+    rank's keys, K(z) - K(a) over each interval [a, z) it sees."""
+    return sum((counter.below(hi, rank) - counter.below(lo, rank)) * weight for lo, hi in intervals)
+
+
+def _run_pairs(counter: "_RankKeys", rank: np.ndarray, n: np.ndarray, ends) -> np.ndarray:
+    """Per window run (`_WindowRuns`): its pairs with its rank's keys, the keys below its
+    intervals' stops minus those below their starts, as sums of K (keys below) or of its
+    prefix sums R over the run's queries."""
+    total = np.zeros(n.size, dtype=np.int64)
     for interval in ends:
         for sign, (e0, slope) in zip((-1, 1), interval):
             flat = n * counter.below(e0, rank)
             rising = counter.summed(e0 + n, rank) - counter.summed(e0, rank)
-            np.add.at(out, rank, sign * np.where(slope == 1, rising, flat))
-    return out
+            total += sign * np.where(slope == 1, rising, flat)
+    return total
 
 
 class _RankKeys:
-    """`_KeyPrefix` of every rank's own keys at once: K_r(x), the keys of rank r below x, and
-    R_r(x) = sum of K_r(y) over y < x. The spans of all ranks in one array, rank after rank,
-    searched by (rank, position) (`top`: past every position), counted with running sums from
-    the rank's first span (no sum crosses ranks, so none outgrows one rank's)."""
+    """Every rank's own keys (sorted disjoint spans) at once: K_r(x), the keys of rank r below
+    x, and R_r(x) = sum of K_r(y) over y < x. The spans of all ranks in one array, rank after
+    rank, searched by (rank, position) (`top`: past every position; 0 with one rank), counted
+    with running sums from the rank's first span (no sum crosses ranks, so none outgrows one
+    rank's). A span [s, e) of size l adds to R, for x >= e, l(l+1)/2 + (x-1-e) l = x l +
+    (l(l+1)/2 - (1+e) l)."""
 
-    def __init__(self, keys: list[tuple[Span, ...]], top: int) -> None:
+    def __init__(self, keys: list[tuple[Span, ...]], top: int = 0) -> None:
         sizes = [len(k) for k in keys]
         self.first = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # rank r: [first[r], first[r + 1])
         rank = np.repeat(np.arange(len(keys), dtype=np.int64), sizes)
@@ -389,31 +393,6 @@ def _touched_blocks_ranks(spans: list[tuple[Span, ...]], block: int) -> tuple[np
 
 def _slope(first: np.ndarray, last: np.ndarray, n: np.ndarray) -> np.ndarray:
     return ((last - first == n - 1) & (n > 1)).astype(np.int64)
-
-
-class _KeyPrefix:
-    """K(x), the keys of sorted disjoint spans below x, and R(x) = sum of K(y) over y < x."""
-
-    def __init__(self, keys: tuple[Span, ...]) -> None:
-        self.s, self.e = (np.array(v, dtype=np.int64) for v in zip(*keys))
-        size = self.e - self.s
-        self.before = np.concatenate([[0], np.cumsum(size)])
-        # a span [s, e) of size l adds, for x >= e, l(l+1)/2 + (x-1-e) l = x l + (l(l+1)/2 - (1+e) l)
-        self.size = self.before
-        self.const = np.concatenate([[0], np.cumsum(size * (size + 1) // 2 - (1 + self.e) * size)])
-
-    def below(self, x: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(self.s, x, side="right")  # spans starting at or before x
-        last = np.maximum(k - 1, 0)
-        inside = np.where(k > 0, np.minimum(x - self.s[last], self.e[last] - self.s[last]), 0)
-        return self.before[last] * (k > 0) + inside
-
-    def summed(self, x: np.ndarray) -> np.ndarray:
-        done = np.searchsorted(self.e, x, side="right")  # spans with e <= x
-        out = x * self.size[done] + self.const[done]
-        j = np.minimum(done, self.s.size - 1)
-        t = np.where((done < self.s.size) & (x > self.s[j]), x - self.s[j], 0)  # the span x is inside
-        return out + t * (t - 1) // 2
 
 
 class _RunningSums:
@@ -473,14 +452,8 @@ def _window_prefix(seq_len: int, block: int, window: int) -> np.ndarray:
 def _touched_blocks(spans: tuple[Span, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
     """(blocks the spans touch, positions of the spans in each), sorted: the spans' positions
     grouped by block without listing every position (spans are sorted and disjoint)."""
-    if not spans:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    ids = [np.arange(s // block, (e - 1) // block + 1, dtype=np.int64) for s, e in spans]
-    lo, hi = (np.repeat(ends, [len(i) for i in ids]) for ends in zip(*spans))
-    ids = np.concatenate(ids)
-    counts = np.minimum(hi, (ids + 1) * block) - np.maximum(lo, ids * block)
-    first = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]]))  # spans may share a block
-    return ids[first], np.add.reduceat(counts, first)
+    _, blocks, positions = _touched_blocks_ranks([spans], block)
+    return blocks, positions
 
 
 def pairs_with_keys(layout: Layout, rank: int, keys: tuple[Span, ...], window: int | None = None) -> int:
