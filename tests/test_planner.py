@@ -201,3 +201,30 @@ def test_memory_goes_first(h200):
     csbp_ = planner.Candidate(Plan(dp=2, cp=8, bp=8), wl)
     assert planner.reason_group(planner.memory_misfit(big, dp, h200), rule=False) == "memory"
     assert planner.memory_misfit(big, csbp_, h200) is None
+
+
+def test_search_without_misfits_ranks_the_same(h200):
+    """`misfits=False` (a map's cells) checks memory only where the screen looks: the ranking,
+    baseline and family bests are the full search's (the same simulations in one process, so
+    equal to the bit), and the candidates it never checked are not reported as misfits."""
+    model, wl = load_model("nemotron-diffusion-8b"), Workload(seq_len=64 * 1024)
+    full = planner.search(model, wl, h200, 1, workers=1, keep=1)
+    lazy = planner.search(model, wl, h200, 1, workers=1, keep=1, misfits=False)
+    assert [r.to_json() for r in lazy.ranked] == [r.to_json() for r in full.ranked]
+    assert lazy.baseline.to_json() == full.baseline.to_json()
+    assert {f: r.to_json() for f, r in lazy.best_per_family().items()} == \
+        {f: r.to_json() for f, r in full.best_per_family().items()}
+    missing = lambda found: sum(len(g.plans) for g in found.infeasible)  # noqa: E731
+    assert missing(lazy) < missing(full)
+
+
+def test_search_without_misfits_says_why_nothing_fits_as_the_full_one(h200):
+    """Where nothing fits, the cell's line (the map's 'why nothing') is the full search's: every
+    candidate checked, in order, before the error is raised."""
+    model, wl = load_model("nemotron-diffusion-8b"), Workload(seq_len=1024 * 1024)
+    messages = []
+    for misfits in (True, False):
+        with pytest.raises(InputError, match="nothing feasible") as err:
+            planner.search(model, wl, h200, 1, workers=1, keep=1, misfits=misfits)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]

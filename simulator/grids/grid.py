@@ -115,9 +115,11 @@ def search_cell(cell: Cell, profile: HardwareProfile, flags: argparse.Namespace,
     inputs = workload_inputs(cell.model, cell.seq_len, flags, cell.objective)
     nodes = cell.gpus // profile.node.gpus_per_node
     try:
-        # keep=1: the winner, the baseline and each family's best are exact, the rest may be pruned
+        # keep=1: the winner, the baseline and each family's best are exact, the rest may be
+        # pruned; a cell reports no count of what does not fit (misfits=False: memory checked only
+        # where the screen looks)
         found = search(inputs.model, inputs.workload, profile, nodes, engine=engine, axes=axes,
-                       workers=workers, keep=1)
+                       workers=workers, keep=1, misfits=False)
     except InputError as err:  # nothing feasible at this cell
         return CellSearch(cell, nodes, None, str(err))
     return CellSearch(cell, nodes, found)

@@ -21,7 +21,7 @@ import math
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import product
 from typing import get_args
@@ -326,7 +326,8 @@ def cluster_gpus(profile: HardwareProfile, nodes: int) -> int:
 def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
            axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None,
-           keep: int | None = None, baseline_only: bool = False, prune_placements: bool = True) -> Search:
+           keep: int | None = None, baseline_only: bool = False, prune_placements: bool = True,
+           misfits: bool = True) -> Search:
     """Drop what does not fit, screen the rest with the closed form, re-score the best with
     `engine`, rank.
 
@@ -345,6 +346,13 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     `prune_placements` (with `keep`): a re-scored plan's other placement is re-scored only where
     its bounds say it could enter what is reported (`_variant_matters`); False re-scores every
     one (what `--sensitivity` re-ranks: all the engine's results).
+
+    `misfits=False` (with `keep`): the caller reads the ranking, not why the rest is missing (a
+    map's cells), so memory is checked only for the candidates the screen takes up, as for
+    `baseline_only` (the same ranking: a candidate that does not fit never moves a group's bar);
+    `infeasible` then lists only those found not to fit and `feasible` counts the unchecked ones
+    too. Where nothing fits, every candidate is checked first, in order, so the InputError says
+    what the full search says.
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
@@ -353,15 +361,18 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
                                 implementation=profile.implementation)
         with Workers(workers) as pool:
             found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool,
-                            baseline_only and keep is not None, prune_placements)
+                            baseline_only and keep is not None, prune_placements,
+                            lazy=keep is not None and (baseline_only or not misfits))
     found.seconds = time.perf_counter() - start
     return found
 
 
 def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, space: Space,
             engine: str, des_top: int, keep: int | None, pool: Workers,
-            baseline_only: bool = False, prune_placements: bool = True) -> Search:
+            baseline_only: bool = False, prune_placements: bool = True, lazy: bool = False) -> Search:
     counts = {"floor": 0, "quick": 0, "tight": 0}
+    by_rule = {k: replace(g, plans=list(g.plans)) for k, g in space.rejected.items()}  # before memory
+    ran_out: list[tuple[str, str]] = []  # simulated and found infeasible, in order
 
     misfits: set[int] = set()
 
@@ -372,10 +383,10 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
             misfits.add(id(cand))
         return not reason
 
-    # the baseline alone (`method_vs_implementation`) reads no memory rejection and no count:
-    # memory is then checked only for the candidates the screen takes up (`screen_pruned`), and
-    # `infeasible` holds only those found not to fit, `feasible` and `pruned` count the others
-    lazy = baseline_only and keep is not None
+    # the baseline alone (`method_vs_implementation`) or a map's cell (`misfits=False`) reads no
+    # memory rejection and no count: memory is then checked only for the candidates the screen
+    # takes up (`screen_pruned`), and `infeasible` holds only those found not to fit, `feasible`
+    # and `pruned` count the others
     fitting = list(space.candidates) if lazy else [cand for cand in space.candidates if fits(cand)]
 
     def evaluate(cands: list[Candidate], eng: str) -> Iterator[tuple[Candidate, Result]]:
@@ -383,7 +394,8 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
             if result.feasible:
                 yield cand, result
             else:
-                space.reject(f"{cand.label} ({eng})", result.reason or "infeasible", rule=False)
+                ran_out.append((f"{cand.label} ({eng})", result.reason or "infeasible"))
+                space.reject(*ran_out[-1], rule=False)
 
     if keep is None:
         screened = sorted(evaluate(fitting, "closed-form"), key=lambda cr: rank_key(cr[1]))
@@ -415,6 +427,15 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         evaluations += len(picks) + len(variants)
         picked = set(picks)
         ranked = rescored + [r for i, (_, r) in enumerate(screened) if i not in picked]
+    if lazy and (not ranked or (ranked[0].engine != engine and not baseline_only)):
+        # nothing to rank: say why as the full search does (memory checked for all, in order,
+        # then the simulations that found a plan infeasible: the same ones, screened alike)
+        space.rejected = by_rule
+        misfits.clear()
+        for cand in space.candidates:
+            fits(cand)
+        for label, reason in ran_out:
+            space.reject(label, reason, rule=False)
     infeasible = space.groups()
     if not ranked or (ranked[0].engine != engine and not baseline_only):
         summary = "; ".join(f"{g.reason} ({len(g.plans)})" for g in infeasible[:3])
