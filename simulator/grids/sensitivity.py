@@ -151,8 +151,8 @@ def sensitivity(found: Search, *, axes: tuple[str, ...] | None = None,
             profile = apply_settings(found.profile, [Setting(name, factor=factor, text=f"{factor:g}x")]).profile
             if name == "reserve":
                 try:
-                    again = search(found.model, found.workload, profile, found.nodes,
-                                   engine="closed-form", workers=workers, keep=1, **limits)
+                    again = search(found.model, found.workload, profile, found.nodes,  # reads no misfit
+                                   engine="closed-form", workers=workers, keep=1, misfits=False, **limits)
                     outcome = _from_search(factor, again)
                     evaluations += again.evaluations
                 except InputError:  # nothing fits any more
