@@ -124,9 +124,10 @@ class Timeline:
                         total = v + total
                     sums.append(total)
                 which.append(k)
-        incidence = np.zeros((len(self.groups), len(sums)))
-        moment = np.repeat(np.arange(len(self.groups)), [len(groups) for groups in self.groups])
-        np.add.at(incidence, (moment, np.array(which, dtype=np.intp)), 1.0)
+        moments, k = len(self.groups), len(sums)
+        moment = np.repeat(np.arange(moments), [len(groups) for groups in self.groups])
+        incidence = np.bincount(moment * k + np.array(which, dtype=np.intp),
+                                minlength=moments * k).reshape(moments, k).astype(float)
         matrix = np.empty((len(sums), self.n_ranks))
         for k, v in enumerate(sums):
             matrix[k] = v
@@ -574,6 +575,7 @@ class _Structure:
     last: dict
     count: dict
     before_count: dict  # kind -> layers of that kind before index i, i = 0..n
+    after_count: dict  # kind -> layers of that kind after index i, i = 0..n-1 (Python ints)
 
 
 _STRUCTURES: dict[int, tuple[ModelSpec, _Structure]] = {}
@@ -588,13 +590,14 @@ def _layer_structure(model: ModelSpec) -> _Structure:
         kinds = tuple(dict.fromkeys(layers))
         index = [kinds.index(a) for a in layers]
         n = len(layers)
+        before = {a: np.cumsum([0] + [int(j == k) for j in index]) for k, a in enumerate(kinds)}
         st = _Structure(
             n=n, kinds=kinds,
             first={a: index.index(k) for k, a in enumerate(kinds)},
             last={a: n - 1 - index[::-1].index(k) for k, a in enumerate(kinds)},
             count={a: index.count(k) for k, a in enumerate(kinds)},
-            before_count={a: np.cumsum([0] + [int(j == k) for j in index])
-                          for k, a in enumerate(kinds)})
+            before_count=before,
+            after_count={a: tuple((c[n] - c[1:]).tolist()) for a, c in before.items()})
         hit = _STRUCTURES[id(model)] = (model, st)
     return hit[1]
 
@@ -624,9 +627,7 @@ class RetainedEncoder:
 
     def grads_after(self, shape: "_Structure", i: int) -> np.ndarray | float:
         """dK/dV of the encoder K/V of the layers after i (the decoder's backward done there)."""
-        n = shape.n
-        return _sum({a: int(shape.before_count[a][n] - shape.before_count[a][i + 1]) * v
-                     for a, v in self.kv.items()})
+        return _sum({a: shape.after_count[a][i] * v for a, v in self.kv.items()})
 
     def decoder_backward(self, shape: "_Structure", i: int, stored: str) -> dict:
         """At the decoder's backward of layer i: every layer's encoder K/V, the gradients of
@@ -645,7 +646,10 @@ def weight_bytes(terms: list, weights: WeightState, shape: _Structure, zero: int
     the same on every rank, and the only part of the step's bytes that depends on dp and ep
     (through the ZeRO shards and the experts per rank)."""
     bucket = weights.bucket if zero >= 2 else 0.0  # ZeRO-2/3's buckets, alive through the backward
-    layers_grads = sum(weights.layer_grads[a] * shape.count[a] for a in shape.kinds)
+    # per kind, in `shape.kinds` order, looked up once (hashing a layer spec is slow)
+    grads = [weights.layer_grads[a] for a in shape.kinds]
+    after = [shape.after_count[a] for a in shape.kinds]
+    layers_grads = sum(g * shape.count[a] for g, a in zip(grads, shape.kinds))
     all_grads = weights.grads if zero >= 2 else layers_grads + weights.head_grads + weights.embed_grads
     fixed = {"params": weights.params, "master": weights.master, "optimizer": weights.optimizer,
              "grads": weights.persistent_grads, "fp8": weights.fp8_cache}
@@ -664,9 +668,8 @@ def weight_bytes(terms: list, weights: WeightState, shape: _Structure, zero: int
     out = {}
     for term in terms:
         if isinstance(term, tuple) and term[0] == "after":  # the layers after term[1], and the head
-            i, n = term[1], shape.n
-            done = sum(weights.layer_grads[a] * int(shape.before_count[a][n] - shape.before_count[a][i + 1])
-                       for a in shape.kinds)
+            i = term[1]
+            done = sum(g * c[i] for g, c in zip(grads, after))
             out[term] = {"grads": weights.head_grads + done + bucket}
         else:
             out[term] = known[term]
@@ -722,8 +725,16 @@ def walk_activations(model: ModelSpec, layout: Layout, sizes: Sizes, eager: bool
     terms: list[tuple] = []
     shape = _layer_structure(model)
     layers, n = model.layers, shape.n
-    kinds = {a: implementation_extras(model, layout, a, sizes, layer_memory(model, layout, a, sizes, eager))
-             for a in shape.kinds}
+
+    def buffers_of(lay: Layout, s: Sizes) -> dict:
+        """Each layer kind's buffers on the ranks of `lay` (sized by `s`)."""
+        return {a: implementation_extras(model, lay, a, s, layer_memory(model, lay, a, s, eager))
+                for a in shape.kinds}
+
+    streams = retained.streams if retained is not None else ()
+    # the whole layout's layers are read by the forward and the stored activations (without
+    # checkpointing), the masks (eager) and the backward (one stream): only then are they made
+    kinds = buffers_of(layout, sizes) if not checkpointing or eager or not streams else {}
     hid = sizes.hidden
     fixed = {"context": context}  # with the term "fixed": parameters, master, optimizer state, ...
     if eager:  # the runtime builds the masks once
@@ -775,7 +786,7 @@ def walk_activations(model: ModelSpec, layout: Layout, sizes: Sizes, eager: bool
            {stored_name: hid, "transient": 2 * hid, "loss": loss_backward})
     # backward, last layer first; each kind at its last layer (most stored below) and its first
     # (most gradients above)
-    visits = sorted({(last[a], a) for a in kinds} | {(first[a], a) for a in kinds},
+    visits = sorted({(last[a], a) for a in shape.kinds} | {(first[a], a) for a in shape.kinds},
                     key=lambda x: -x[0])
     def layer_buffers(per_kind: dict) -> tuple[dict, dict]:
         """Each kind's recompute and backward buffers, renamed once (a kind is visited at two
@@ -788,17 +799,14 @@ def walk_activations(model: ModelSpec, layout: Layout, sizes: Sizes, eager: bool
                         for op, still, extra in m.backward[1:]] for a, m in per_kind.items()}
         return recomputed, backwards
 
-    recomputed, backwards = layer_buffers(kinds)
     encoder_buffers = encoder_hidden = None
-    if retained is not None and retained.streams:  # each stream's backward on its own rows
-        (enc_layout, enc_sizes), (dec_layout, dec_sizes) = retained.streams
-        recomputed, backwards = layer_buffers(
-            {a: implementation_extras(model, dec_layout, a, dec_sizes,
-                                      layer_memory(model, dec_layout, a, dec_sizes, eager)) for a in shape.kinds})
-        encoder_buffers = layer_buffers(
-            {a: implementation_extras(model, enc_layout, a, enc_sizes,
-                                      layer_memory(model, enc_layout, a, enc_sizes, eager)) for a in shape.kinds})
+    if streams:  # each stream's backward on its own rows
+        (enc_layout, enc_sizes), (dec_layout, dec_sizes) = streams
+        recomputed, backwards = layer_buffers(buffers_of(dec_layout, dec_sizes))
+        encoder_buffers = layer_buffers(buffers_of(enc_layout, enc_sizes))
         encoder_hidden = enc_sizes.hidden
+    else:
+        recomputed, backwards = layer_buffers(kinds)
     for i, a in visits:
         below = stored_before(i)
         here = {stored_name: hid, "transient": hid}  # with the gradients of the layers after i

@@ -10,6 +10,9 @@ with the layout's ownership. `tests/test_kv_rows.py` holds them equal to the exc
 
 from __future__ import annotations
 
+import bisect
+import operator
+
 import numpy as np
 
 from csbp.simulator.layout.layout import Layout, Payload, Phase
@@ -107,6 +110,13 @@ def packed_rows(layout: Layout, a: AttentionSpec) -> np.ndarray:
     """Rows each rank copies into one send buffer in the forward exchange: its shard once for
     an all-gather (every member receives the same buffer), every row it sends for an all-to-all."""
     kind = pattern(layout, a, "forward")
+    key = ("packed-rows", kind, a.window if kind == "all-to-all" else None)  # once per ownership
+    if key not in layout.derived:
+        layout.derived[key] = _packed_rows(layout, a, kind)
+    return layout.derived[key]
+
+
+def _packed_rows(layout: Layout, a: AttentionSpec, kind: str) -> np.ndarray:
     if kind == "all-to-all":
         return _alltoall_rows(layout, a.window).sum(axis=0)
     if kind == "all-gather":
@@ -131,8 +141,17 @@ def held(layout: Layout, what: str) -> np.ndarray:
 
 
 def _inside(spans: tuple[Span, ...], lo: int, hi: int) -> int:
-    """Positions of `spans` (sorted, disjoint, as a layout keeps them) inside [lo, hi)."""
-    return sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
+    """Positions of `spans` (sorted, disjoint, as a layout keeps them) inside [lo, hi): the run
+    of spans that overlap it found by bisection, its two ends clipped."""
+    i = bisect.bisect_right(spans, lo, key=_stop)  # the first span ending after lo
+    j = bisect.bisect_left(spans, hi, lo=i, key=_start)  # the first starting at or after hi
+    if i == j or hi <= lo:
+        return 0
+    first, last = spans[i], spans[j - 1]
+    return size(spans[i:j]) - max(0, lo - first[0]) - max(0, last[1] - hi)
+
+
+_start, _stop = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def owned_rows(layout: Layout) -> np.ndarray:
@@ -198,8 +217,11 @@ def _group_rows(layout: Layout, groups: list[tuple], window: int, rows: np.ndarr
     """`_alltoall_rows` of the cp groups whose members' shards are disjoint, every member of
     every such group at once, into `rows`: the K/V spans each member's queries read
     (`Layout.needed_kv`'s per-block intervals, as arrays, a clean span's blocks as the one span
-    they merge into, merged as `normalize` merges them), then per owned span of its group the
-    rows of it the reader needs, from the reader's prefix sums of needed rows. A member's own
+    they merge into, merged as `normalize` merges them), then for each merged span the owned
+    spans of its group it overlaps (found by bisection: a group's owned spans are disjoint, so
+    sorted by start and by stop alike) and its rows inside each. Only overlapping (needed span,
+    owned span) pairs are visited, not every reader against every owned span of its group: a
+    windowed reader needs the neighbourhood of its own blocks. A member's own
     rows are not sent (its diagonal is 0); since the shards are disjoint, its own shard never
     overlaps another member's, so nothing else changes by not subtracting it first. `groups`:
     (members, owned span starts, stops, owners) each. Same integers as the span-by-span count
@@ -246,23 +268,26 @@ def _group_rows(layout: Layout, groups: list[tuple], window: int, rows: np.ndarr
     new = np.concatenate([[True], ns[1:] > reach[:-1]])  # merged as `normalize` merges
     first_i = np.flatnonzero(new)
     seg_a, seg_z = ns[first_i], np.maximum.reduceat(ne, first_i)
-    before = np.concatenate([[0], np.cumsum(seg_z - seg_a)])
-
-    def needed_below(x: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(seg_a, x, side="right") - 1
-        kk = np.maximum(k, 0)
-        return np.where(k >= 0, before[kk] + np.maximum(np.minimum(x, seg_z[kk]) - seg_a[kk], 0), 0)
-
-    # every reader against every owned span of its group: its group's spans repeated per member
-    owned = np.array([len(src) for _, _, _, src in groups], dtype=np.int64)  # owned spans per group
-    members = np.array([len(g) for g, *_ in groups], dtype=np.int64)
-    group_from = np.repeat(np.cumsum(owned) - owned, members)  # per reader: its group's first span
-    reader = np.concatenate([np.asarray(g, dtype=np.int64) for g, *_ in groups])
-    per_reader = np.repeat(owned, members)
-    pick = np.repeat(group_from - np.cumsum(per_reader) + per_reader, per_reader) + np.arange(int(per_reader.sum()))
-    owned_lo, owned_hi = np.concatenate([st for _, st, _, _ in groups]), np.concatenate([sp for _, _, sp, _ in groups])
+    reader = seg_a // far
+    # the groups' owned spans, each group apart (group k at k * far), in order of position
+    members = np.concatenate([np.asarray(g, dtype=np.int64) for g, *_ in groups])
+    group_of = np.zeros(layout.size, dtype=np.int64)
+    group_of[members] = np.repeat(np.arange(len(groups)), [len(g) for g, *_ in groups])
+    per_group = np.array([len(src) for *_, src in groups], dtype=np.int64)  # owned spans
+    group_off = np.repeat(np.arange(len(groups), dtype=np.int64), per_group) * far
+    lo = np.concatenate([st for _, st, _, _ in groups]) + group_off
+    hi = np.concatenate([sp for _, _, sp, _ in groups]) + group_off
     owner = np.concatenate([src for *_, src in groups])
-    reader, owned_lo, owned_hi, owner = np.repeat(reader, per_reader), owned_lo[pick], owned_hi[pick], owner[pick]
-    per_span = needed_below(reader * far + owned_hi) - needed_below(reader * far + owned_lo)
-    np.add.at(rows, (reader, owner), per_span)
-    rows[reader, reader] = 0
+    order = np.argsort(lo, kind="stable")
+    lo, hi, owner = lo[order], hi[order], owner[order]
+    # each needed span moved to its reader's group: the owned spans it overlaps run from the
+    # first that ends after its start to the last that starts before its end
+    shift = (group_of[reader] - reader) * far
+    a, z = seg_a + shift, seg_z + shift
+    i0 = np.searchsorted(hi, a, side="right")
+    count = np.maximum(np.searchsorted(lo, z, side="left") - i0, 0)
+    span = np.repeat(np.arange(a.size), count)
+    k = i0[span] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    overlap = np.minimum(z[span], hi[k]) - np.maximum(a[span], lo[k])
+    np.add.at(rows, (reader[span], owner[k]), overlap)
+    rows[members, members] = 0
