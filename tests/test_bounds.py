@@ -101,6 +101,47 @@ def test_ring_chains_are_below_the_tight_bound_on_every_fitting_ring(name, seq_l
     assert chained  # some ring has hops that chain
 
 
+@pytest.mark.parametrize("name, plan", [
+    ("nemotron-diffusion-8b", Plan(cp=8, transport="ring")),
+    ("nemotron-diffusion-8b", Plan(dp=2, cp=4, bp=4, transport="ring")),
+    ("diffusiongemma-26b-a4b", Plan(cp=4, bp=4, transport="ring")),
+    ("qwen3.5-27b", Plan(cp=8, transport="ring")),
+], ids=["cp8", "csbp4", "dg-csbp4", "hybrid-cp8"])
+def test_hop_chain_is_the_hops_kv_work_prices_added_in_order(name, plan):
+    """`hop_chain` prices each rank's shard once and gathers, per hop, the price of the shard it
+    brings (`ring_shards`, `ring_hop_sources`) instead of making each hop's work: per hop and
+    rank it must be `seconds(kv_work(hop))` (0 where no row moves), and the chain their sum in
+    hop order. Exact: the same prices of the same bytes on the same group, added in the same
+    order (a cumulative sum adds left to right)."""
+    from csbp.simulator.cost.cost import seconds
+    from csbp.simulator.engine import host_crowding
+    from csbp.simulator.planner.bounds import hop_chain
+
+    model, profile = load_model(name), load_profile("h200")
+    workload = Workload(seq_len=64 * K, objective=default_objective(model))
+    builder = StepGraph.builder(model, workload, plan, Layout.build(as_executed(workload, model), plan),
+                                profile.node.gpus_per_node, implementation=profile.implementation)
+    priced = host_crowding.fastest(profile)
+    chains = 0
+    for s in builder.stream_builders():
+        for a in model.attention_kinds():
+            if s.pattern(a, "forward") != "ring" or s.ulysses("ring"):
+                continue
+            n = s.ring_steps()
+            for phase, hops, payload in (("forward", n - 1, None), ("recompute", n - 1, None),
+                                         ("backward", n - 1, "kv"), ("backward", n, "dkv")):
+                if s.pattern(a, phase) != "ring":
+                    continue
+                total = np.zeros(s.n)
+                for hop in range(hops):
+                    work = s.kv_work(a, phase, hop, payload)
+                    if work is not None:
+                        total = total + seconds(work, priced)
+                assert (hop_chain(s, a, phase, hops, payload, priced) == total).all(), (phase, payload)
+                chains += bool(total.any())
+    assert chains  # some hop moves rows
+
+
 def test_bounds_are_tight_where_compute_dominates():
     """At 256K the dense 8B model is compute-bound: the bound is within a few percent (5 %: what
     the bound leaves out, waits for other ranks and for transfers of other segments, and

@@ -456,6 +456,37 @@ class AttentionOps:
         """Steps of a ring over the context group (the calls of `attention_split`'s ring)."""
         return len(self.cp_sync[0])
 
+    def ring_shards(self, a: AttentionSpec, phase: Phase, payload: str | None) -> Comm | None:
+        """Each rank's own K/V shard (`payload` "dkv": its dK/dV, in the gradient dtype) as one
+        hop of the layer kind's ring in `phase` moves it. Every hop of `kv_work` (forward,
+        recompute, backward "kv" or "dkv") delivers one member's shard, with these bytes, on
+        this group: a rank's hop costs what the shard it receives (`ring_hop_sources`) costs
+        here, without making each hop's work. (A backward hop with no `payload` carries both.)"""
+        if phase == "backward" and payload is None:
+            raise ValueError("a backward ring hop carries two shards: ask for 'kv' or 'dkv'")
+        gradients = phase == "backward" and payload == "dkv"  # as kv_comm reads a ring
+        dt = self.facts(phase).gradient_bytes or self.dt if gradients else self.dt
+        nbytes = kv_rows.owned_rows(self.lay) * self.kv_bytes(a, dt, phase) * self.w.micro_batch
+        return self.comm("p2p", nbytes, self.g_ring, "attention-kv", kv_rows.ring_senders(self.lay))
+
+    def ring_hop_sources(self, hops: int, gradients: bool) -> np.ndarray:
+        """[hop, rank]: the rank whose shard each rank receives at each of the ring's first
+        `hops` hops (-1: none), as `kv_rows.step_received` counts a ring's steps: hop s brings
+        the shard of the member s + 1 places back; dK/dV (`gradients`) ride from the second hop
+        on, and the hop after the last takes each shard's gradients home (its own)."""
+        groups = np.array(self.cp_sync)  # [group, member]: a layout's groups are equal in size
+        m = groups.shape[1]
+        hop = np.arange(hops)[:, None]
+        src = groups[:, (np.arange(m)[None, :] - hop - 1) % m]  # [group, hop, member]
+        carries = hop < m - 1
+        if gradients:
+            home = hop == m - 1
+            src = np.where(home, groups[:, None, :], src)
+            carries = (carries & (hop >= 1)) | home
+        out = np.full((hops, self.n), -1)
+        out[:, groups.ravel()] = np.where(carries, src, -1).transpose(1, 0, 2).reshape(hops, -1)
+        return out
+
     def pattern(self, a: AttentionSpec, phase: Phase) -> str:
         return "none" if self.keys_at_home else kv_rows.pattern(self.lay, a, phase)
 

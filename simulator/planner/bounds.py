@@ -324,24 +324,17 @@ def sync_waits(graph: StepGraph, d: np.ndarray, kinds: list[int]) -> dict[str, n
 
 def ring_chains(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile) -> dict[str, float]:
     """Seconds no engine's step of a ring plan can undercut by reason 8, with checkpointing
-    "full" and "none"; 0 where no layer's attention runs on a ring. The hops are the step
-    graph's own works (`AttentionOps.kv_work`, shared with its graphs), priced as the bounds
-    price them."""
-    from csbp.simulator.cost.cost import seconds
-
+    "full" and "none"; 0 where no layer's attention runs on a ring. The hops are priced as the
+    step graph's own works (`AttentionOps.kv_work`) are priced by the bounds, all of a chain at
+    once (`hop_chain`)."""
     workload = workload.model_copy(update={"checkpointing": "full"})
     layout = Layout.build(as_executed(workload, model), plan)
     builder = StepGraph.builder(model, workload, plan, layout, profile.node.gpus_per_node,
                                 implementation=profile.implementation)
     priced = host_crowding.fastest(profile)
 
-    def chain(s, a, phase: str, steps, payload: str | None) -> np.ndarray:
-        total = np.zeros(layout.size)
-        for step in steps:
-            work = s.kv_work(a, phase, step, payload)
-            if work is not None:
-                total = total + seconds(work, priced)
-        return total
+    def chain(s, a, phase: str, hops: int, payload: str | None) -> np.ndarray:
+        return hop_chain(s, a, phase, hops, payload, priced)
 
     out = {"full": np.zeros(layout.size), "none": np.zeros(layout.size)}
     for s in builder.stream_builders():
@@ -349,18 +342,47 @@ def ring_chains(model: ModelSpec, workload: Workload, plan: Plan, profile: Hardw
             if s.pattern(a, "forward") != "ring" or s.ulysses("ring"):
                 continue
             n = s.ring_steps()
-            forward = count * chain(s, a, "forward", range(n - 1), None)
+            forward = count * chain(s, a, "forward", n - 1, None)
             out["none"] = out["none"] + forward
             out["full"] = out["full"] + forward
             if s.pattern(a, "recompute") == "ring":
-                out["full"] = out["full"] + count * chain(s, a, "recompute", range(n - 1), None)
+                out["full"] = out["full"] + count * chain(s, a, "recompute", n - 1, None)
             if s.pattern(a, "backward") == "ring" and s.cut("ring", "backward") != "steps":
-                backward = count * np.maximum(chain(s, a, "backward", range(n - 1), "kv"),
-                                              chain(s, a, "backward", range(n), "dkv"))
+                backward = count * np.maximum(chain(s, a, "backward", n - 1, "kv"),
+                                              chain(s, a, "backward", n, "dkv"))
                 out["none"] = out["none"] + backward
                 out["full"] = out["full"] + backward
     passes = builder.obj.passes
     return {ckpt: float(v.max()) * passes * (1 - ROUNDING_MARGIN) for ckpt, v in out.items()}
+
+
+def hop_chain(s, a, phase: str, hops: int, payload: str | None, priced: HardwareProfile) -> np.ndarray:
+    """Per rank, the seconds of the layer kind's first `hops` ring hops in `phase` added in hop
+    order: what `kv_work`'s works of those steps cost one after another, without making them (a
+    hop prices each rank's bytes alone: its group syncs nobody else). Each rank's shard is priced
+    once (`ring_shards`), each hop gathers the price of the shard it brings; kept per layout
+    ownership by what it reads (the shards' bytes and group, the hops, the profile), as
+    candidates that differ in dp or ep, or a plan's streams, ask for the same chain."""
+    from csbp.simulator.cost.cost import seconds
+
+    shards = s.ring_shards(a, phase, payload)
+    if shards is None or hops == 0:  # no hop moves a row
+        return np.zeros(s.n)
+    assert len(shards.group.sync) == s.n  # each rank's hop waits for no other rank's
+    gradients = payload == "dkv"
+
+    def add_up() -> np.ndarray:
+        src = s.ring_hop_sources(hops, gradients)  # [hop, rank]: whose shard it brings
+        each = np.where(src >= 0, seconds(shards, priced)[src], 0.0)
+        total = np.cumsum(each, axis=0)[-1].copy()  # in hop order, as the graph's hops add up
+        total.flags.writeable = False  # shared by every candidate that asks
+        return total
+
+    key = ("ring-chain", shards, hops, gradients, id(priced))
+    hit = s.lay.derived.get(key)
+    if hit is None or hit[0] is not priced:
+        hit = s.lay.derived[key] = (priced, add_up())
+    return hit[1]
 
 
 def lower_bounds(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
