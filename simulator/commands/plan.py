@@ -168,14 +168,10 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
         announce(f"Planning {job}")
     from csbp.simulator.planner.method_vs_implementation import baselines_ahead
 
-    # the other implementation's baseline search needs nothing from this one: it runs beside it,
-    # and checks this search's memory for its report of what does not fit (`add_misfits`)
-    with baselines_ahead(inputs.model, inputs.workload, profile, args.nodes, args.engine, misfits=True,
-                         **searched) as ahead:
+    # the other implementation's baseline search needs nothing from this one: it runs beside it
+    with baselines_ahead(inputs.model, inputs.workload, profile, args.nodes, args.engine, **searched) as ahead:
         found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
-                       keep=args.top, prune_placements=not args.sensitivity,
-                       misfits=ahead.checks_misfits is None, **searched)
-        ahead.add_misfits(found)
+                       keep=args.top, prune_placements=not args.sensitivity, **searched)
         return _answered(args, searched, inputs, yours, profile, what_if, found, ahead)
 
 

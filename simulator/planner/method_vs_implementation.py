@@ -14,12 +14,6 @@ other. The child runs
 the same `search` call on the same inputs (the same code on the same CPU, so the same floats)
 and sends back the baseline it found, or the error it raised, which is raised where the
 inline search would have raised it.
-
-The main search's own report of what does not fit (every candidate's memory, most of which the
-screen never looks at again) needs nothing from the main search either: with `misfits=True` the
-first child also checks it (`planner.memory_verdicts`), the main search checks memory only
-where its screen looks (`search(misfits=False)`), and `add_misfits` completes it with the
-child's verdicts, the report the inline check gives (the same function on the same inputs).
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import gc
 import multiprocessing as mp
 import os
 
-from csbp.simulator.planner.planner import Search, memory_misfit, memory_verdicts, plan_of, search
+from csbp.simulator.planner.planner import Search, plan_of, search
 from csbp.simulator.planner.workers import Workers, available_cores
 from csbp.simulator.engine.simulate import simulate
 from csbp.simulator.report.result import Result
@@ -54,81 +48,50 @@ def bp_applies(workload: Workload) -> bool:
 
 
 class BaselinesAhead:
-    """The other profiles' baseline searches, each in a forked process started at once (the
-    first also checking the main search's memory where `misfits`: `checks_misfits`); a context
-    manager that ends whichever were not collected (the main search failed)."""
+    """The other profiles' baseline searches, each in a forked process started at once; a
+    context manager that ends whichever were not collected (the main search failed)."""
 
     def __init__(self, model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int,
-                 engine: str, misfits: bool = False, **searched) -> None:
+                 engine: str, **searched) -> None:
         self.inputs = (model, workload, profile)  # the very objects the search is given
         self.key = (nodes, engine)
         self.running: dict[str, tuple] = {}
-        self.received: dict[str, tuple] = {}  # name -> (ok, baseline or error, memory verdicts)
-        self.checks_misfits: str | None = None  # the child checking the main search's memory
         if not bp_applies(workload) or not Workers(searched.get("workers")).parallel or not core_free():
             return  # one core, no fork or no idle core: searched inline afterwards, as before
         ctx = mp.get_context("fork")
         gc.freeze()  # the collector then leaves the shared heap's pages alone in the child (no copies)
         try:
-            self._start(ctx, model, workload, profile, nodes, engine, misfits, searched)
+            self._start(ctx, model, workload, profile, nodes, engine, searched)
         finally:
             gc.unfreeze()
 
-    def _start(self, ctx, model, workload, profile, nodes, engine, misfits, searched) -> None:
+    def _start(self, ctx, model, workload, profile, nodes, engine, searched) -> None:
         for name in PROFILES:
             if name == profile.implementation:
                 continue
             other = profile.model_copy(update={"implementation": name})
-            checked = profile if misfits and self.checks_misfits is None else None
             receive, send = ctx.Pipe(duplex=False)
             # one process each; the main search keeps the other core (results do not depend on
             # the worker count: workers return in order, the same calls)
             child = ctx.Process(target=_child, args=(send, model, workload, other, nodes, engine,
-                                                     searched | {"workers": 1}, checked), daemon=True)
+                                                     searched | {"workers": 1}), daemon=True)
             child.start()
             send.close()
             self.running[name] = (child, receive)
-            if checked is not None:
-                self.checks_misfits = name
-
-    def _receive(self, name: str) -> tuple | None:
-        """The child's one message (ok, baseline or error, memory verdicts), kept; None if it
-        died without a word (killed)."""
-        if name not in self.received:
-            if name not in self.running:
-                return None
-            child, receive = self.running.pop(name)
-            try:
-                self.received[name] = receive.recv()
-            except EOFError:
-                return None
-            finally:
-                child.join()
-                receive.close()
-        return self.received[name]
-
-    def add_misfits(self, found: Search) -> None:
-        """Complete a search made with misfits=False (`Search.add_misfits`) with the memory
-        verdicts the child found, or checked here if it sent none."""
-        if found.unchecked is None:
-            return
-        got = self._receive(self.checks_misfits) if self.checks_misfits else None
-        verdicts = got[2] if got is not None else None
-        if verdicts is None:  # the child died: check here, as the full search would have
-            model, workload, profile = self.inputs
-            verdicts = [memory_misfit(model, cand, profile) for cand in found.unchecked[2]]
-        found.add_misfits(verdicts)
 
     def baseline(self, name: str, model: ModelSpec, workload: Workload, profile: HardwareProfile,
                  nodes: int, engine: str) -> tuple[bool, Result | None]:
         """(found ahead?, the baseline) for `name`, if started for exactly these inputs."""
         same = all(a is b for a, b in zip((model, workload, profile), self.inputs))
-        if not same or (nodes, engine) != self.key:
+        if name not in self.running or not same or (nodes, engine) != self.key:
             return False, None
-        got = self._receive(name)
-        if got is None:  # not started, or the child died without a word: search here instead
+        child, receive = self.running.pop(name)
+        try:
+            ok, value = receive.recv()
+        except EOFError:  # the child died without a word (killed): search here instead
+            child.join()
             return False, None
-        ok, value, _ = got
+        child.join()
         if not ok:
             raise value
         return True, value
@@ -163,26 +126,20 @@ def core_free() -> bool:
         return os.getloadavg()[0] < available_cores() - 0.5 if hasattr(os, "getloadavg") else True
 
 
-def _child(send, model, workload, profile, nodes, engine, searched, checked) -> None:
-    """One message back: (ok, the baseline or the error, the main search's memory verdicts
-    under the profile `checked`, or None)."""
-    verdicts = None
+def _child(send, model, workload, profile, nodes, engine, searched) -> None:
     try:
-        if checked is not None:
-            verdicts = memory_verdicts(model, workload, checked, nodes, **searched)
-        out = (True, _baseline(model, workload, profile, nodes, engine, **searched), verdicts)
+        out = (True, _baseline(model, workload, profile, nodes, engine, **searched))
     except Exception as err:  # noqa: BLE001 (raised in the parent, where the inline search would)
-        out = (False, err, verdicts)
+        out = (False, err)
     send.send(out)
     send.close()
 
 
 def baselines_ahead(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int,
-                    engine: str = "des", misfits: bool = False, **searched) -> BaselinesAhead:
+                    engine: str = "des", **searched) -> BaselinesAhead:
     """Start the baseline searches `speedup_by_implementation` will need for a search of these
-    inputs (with the same `searched` keywords), before that search runs; with `misfits`, the
-    main search's memory verdicts too (`BaselinesAhead.checks_misfits`)."""
-    return BaselinesAhead(model, workload, profile, nodes, engine, misfits, **searched)
+    inputs (with the same `searched` keywords), before that search runs."""
+    return BaselinesAhead(model, workload, profile, nodes, engine, **searched)
 
 
 def speedup_by_implementation(found: Search, ahead: BaselinesAhead | None = None,

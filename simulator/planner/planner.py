@@ -227,28 +227,6 @@ class Search:
     rescored: int = 0  # re-simulated with `engine`
     # lower bounds computed by the pruned screen, by rung: compute floors, quick and tight graphs
     bounds: dict[str, int] = field(default_factory=dict)
-    # a search with misfits=False: (the rule groups, the simulations found infeasible, every
-    # candidate in order), what `add_misfits` needs to report as the full search does
-    unchecked: tuple | None = field(default=None, repr=False)
-
-    def add_misfits(self, reasons: list[str | None]) -> None:
-        """Complete a search made with misfits=False: `reasons[i]` is `memory_misfit`'s answer for
-        the i-th candidate of the enumeration (`memory_verdicts`), and `infeasible`, `feasible`
-        and `pruned` become the full search's (the same rejections in the same order: the rules,
-        memory in the enumeration's order, then what the simulations found infeasible)."""
-        rules, ran_out, candidates = self.unchecked
-        if len(reasons) != len(candidates):
-            raise ValueError(f"{len(reasons)} memory verdicts for {len(candidates)} candidates")
-        space = Space([], {k: replace(g, plans=list(g.plans)) for k, g in rules.items()})
-        for cand, reason in zip(candidates, reasons):
-            if reason:
-                space.reject(cand.label, reason, rule=False)
-        for label, reason in ran_out:
-            space.reject(label, reason, rule=False)
-        self.infeasible = space.groups()
-        self.feasible = sum(reason is None for reason in reasons)
-        self.pruned = self.feasible - self.screened
-        self.unchecked = None
 
     @property
     def gpus(self) -> int:
@@ -311,17 +289,6 @@ def memory_misfit(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -
     """
     layout = Layout.build(as_executed(cand.workload, model), cand.plan)
     return estimate_memory(model, cand.workload, cand.plan, layout, profile).reason
-
-
-def memory_verdicts(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, *,
-                    checkpointing: tuple[str, ...] = get_args(Checkpointing), axes: tuple[str, ...] = AXES,
-                    **_) -> list[str | None]:
-    """`memory_misfit` for every candidate of the search with these inputs, in its order: what
-    `Search.add_misfits` completes a search made with misfits=False with (`csbp plan` checks
-    them on the core its baseline search runs on: `method_vs_implementation`)."""
-    space = enumerate_space(model, workload, cluster_gpus(profile, nodes), checkpointing, axes,
-                            implementation=profile.implementation)
-    return [memory_misfit(model, cand, profile) for cand in space.candidates]
 
 
 def _simulate_one(model: ModelSpec, profile: HardwareProfile, nodes: int, engine: str,
@@ -480,8 +447,7 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
     return Search(model, workload, profile, nodes, ranked, infeasible, len(space.candidates), evaluations,
                   0.0, engine, feasible=len(fitting),
                   pruned=len(fitting) - scored, screened=scored, rescored=len(picks),
-                  bounds=counts if keep is not None else {},
-                  unchecked=(by_rule, ran_out, space.candidates) if lazy else None)
+                  bounds=counts if keep is not None else {})
 
 
 def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareProfile, engine: str,
