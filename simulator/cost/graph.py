@@ -174,6 +174,7 @@ class StepGraph:
 # ---- the builder --------------------------------------------------------------------------------
 
 _GROUPS: dict[tuple, Group] = {}
+_MISSING = object()  # a cache's "not made yet" (None is a made value: no transfer)
 
 
 def _interned(size: int, per_node: int, sync: tuple[tuple[int, ...], ...]) -> Group:
@@ -277,17 +278,21 @@ class _Builder(AttentionOps, LinearAttentionOps, LinearGemmOps, MoEOps, Objectiv
     def derived(self, key, make):
         """Counts that depend only on the layout's shares, made once per layout ownership (many
         candidates of a search share it)."""
-        if key not in self.lay.derived:
-            self.lay.derived[key] = make()
-        return self.lay.derived[key]
+        found = self.lay.derived.get(key, _MISSING)  # one lookup where found (most calls)
+        if found is _MISSING:
+            found = self.lay.derived[key] = make()
+        return found
 
     def cached(self, key, make):
         """Identical layers share their work objects (and the engines price each once)."""
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
+        found = self._cache.get(key, _MISSING)
+        if found is _MISSING:
+            found = self._cache[key] = make()
+        return found
 
     def per_rank(self, values) -> PerRank:
+        if isinstance(values, np.ndarray) and values.ndim == 1:  # most calls: a row per rank
+            return tuple(values.astype(float, copy=False).tolist())
         if np.ndim(values) == 0:
             return (float(values),) * self.n
         return tuple(np.asarray(values, dtype=float).tolist())

@@ -56,6 +56,30 @@ class AttentionSpec(BaseModel):
         return 1 if self.k_eq_v else 2
 
 
+def _hash_kept(cls):
+    """A frozen model's hash by value, found once per object: a layer spec keys the step
+    builder's caches and is hashed a hundred thousand times per planner search (pydantic hashes
+    every field each time). Kept by identity (the object held, so its id is not reused)."""
+    by_value = cls.__hash__
+    kept: dict[int, tuple[object, int]] = {}
+
+    def __hash__(self) -> int:
+        hit = kept.get(id(self))
+        if hit is not None and hit[0] is self:
+            return hit[1]
+        if len(kept) >= 4096:
+            kept.clear()
+        h = by_value(self)
+        kept[id(self)] = (self, h)
+        return h
+
+    cls.__hash__ = __hash__
+    return cls
+
+
+_hash_kept(AttentionSpec)
+
+
 class MoESpec(BaseModel):
     """Mixture of experts FFN: routed experts plus an optional always-on dense branch."""
 
