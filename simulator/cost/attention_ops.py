@@ -471,21 +471,8 @@ class AttentionOps:
 
     def ring_hop_sources(self, hops: int, gradients: bool) -> np.ndarray:
         """[hop, rank]: the rank whose shard each rank receives at each of the ring's first
-        `hops` hops (-1: none), as `kv_rows.step_received` counts a ring's steps: hop s brings
-        the shard of the member s + 1 places back; dK/dV (`gradients`) ride from the second hop
-        on, and the hop after the last takes each shard's gradients home (its own)."""
-        groups = np.array(self.cp_sync)  # [group, member]: a layout's groups are equal in size
-        m = groups.shape[1]
-        hop = np.arange(hops)[:, None]
-        src = groups[:, (np.arange(m)[None, :] - hop - 1) % m]  # [group, hop, member]
-        carries = hop < m - 1
-        if gradients:
-            home = hop == m - 1
-            src = np.where(home, groups[:, None, :], src)
-            carries = (carries & (hop >= 1)) | home
-        out = np.full((hops, self.n), -1)
-        out[:, groups.ravel()] = np.where(carries, src, -1).transpose(1, 0, 2).reshape(hops, -1)
-        return out
+        `hops` hops (-1: none), by the ring's rule (`kv_rows.ring_sources`)."""
+        return kv_rows.ring_sources(self.lay, gradients)[:hops]
 
     def pattern(self, a: AttentionSpec, phase: Phase) -> str:
         return "none" if self.keys_at_home else kv_rows.pattern(self.lay, a, phase)

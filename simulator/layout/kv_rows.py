@@ -80,15 +80,36 @@ def step_received(layout: Layout, a: AttentionSpec, phase: Phase, step: int,
     key = ("kv-rows-ring", backward, step, payload)
     if key not in layout.derived:
         own, out = owned_rows(layout), np.zeros(layout.size, dtype=np.int64)
-        for g in map(np.array, layout.cp_groups()):
-            m = len(g)
-            if step < m - 1:  # K/V (and partial dK/dV) of the member step + 1 places back
-                shard = own[g][(np.arange(m) - (step + 1)) % m]
-                kv = shard if payload in (None, "kv") else 0
-                dkv = shard if backward and step >= 1 and payload in (None, "dkv") else 0
-                out[g] = kv + dkv
-            elif backward and step == m - 1 and payload in (None, "dkv"):  # the hop home
-                out[g] = own[g]
+        for gradients, carried in ((False, payload in (None, "kv")),
+                                   (True, backward and payload in (None, "dkv"))):
+            sources = ring_sources(layout, gradients)
+            if carried and step < len(sources):
+                src = sources[step]
+                out = out + np.where(src >= 0, own[np.maximum(src, 0)], 0)
+        layout.derived[key] = out
+    return layout.derived[key]
+
+
+def ring_sources(layout: Layout, gradients: bool) -> np.ndarray:
+    """[step, rank]: whose shard each rank receives at each step of its group's ring (-1: none),
+    once per ownership: step s brings the shard of the member s + 1 places back while s < m - 1
+    (K/V, the forward's and the backward's); their partial dK/dV (`gradients`) ride from the
+    second step on, and step m - 1 takes each shard's gradients home (its own). A layout's cp
+    groups are equal in size. `step_received` counts a step's rows from it, the planner's ring
+    chains price each hop by it (`AttentionOps.ring_hop_sources`)."""
+    key = ("ring-sources", gradients)
+    if key not in layout.derived:
+        groups = np.array(layout.cp_groups())  # [group, member]
+        m = groups.shape[1]
+        step = np.arange(m)[:, None]
+        src = groups[:, (np.arange(m)[None, :] - step - 1) % m]  # [group, step, member]
+        carries = step < m - 1
+        if gradients:
+            home = step == m - 1
+            src = np.where(home, groups[:, None, :], src)
+            carries = (carries & (step >= 1)) | home
+        out = np.full((m, layout.size), -1)
+        out[:, groups.ravel()] = np.where(carries, src, -1).transpose(1, 0, 2).reshape(m, -1)
         layout.derived[key] = out
     return layout.derived[key]
 
