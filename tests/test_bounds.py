@@ -109,7 +109,7 @@ def test_ring_chains_are_below_the_tight_bound_on_every_fitting_ring(name, seq_l
 ], ids=["cp8", "csbp4", "dg-csbp4", "hybrid-cp8"])
 def test_hop_chain_is_the_hops_kv_work_prices_added_in_order(name, plan):
     """`hop_chain` prices each rank's shard once and gathers, per hop, the price of the shard it
-    brings (`ring_shards`, `ring_hop_sources`) instead of making each hop's work: per hop and
+    brings (`ring_shards`, `kv_rows.ring_sources`) instead of making each hop's work: per hop and
     rank it must be `seconds(kv_work(hop))` (0 where no row moves), and the chain their sum in
     hop order. Exact: the same prices of the same bytes on the same group, added in the same
     order (a cumulative sum adds left to right)."""

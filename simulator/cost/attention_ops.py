@@ -460,7 +460,7 @@ class AttentionOps:
         """Each rank's own K/V shard (`payload` "dkv": its dK/dV, in the gradient dtype) as one
         hop of the layer kind's ring in `phase` moves it. Every hop of `kv_work` (forward,
         recompute, backward "kv" or "dkv") delivers one member's shard, with these bytes, on
-        this group: a rank's hop costs what the shard it receives (`ring_hop_sources`) costs
+        this group: a rank's hop costs what the shard it receives (`kv_rows.ring_sources`) costs
         here, without making each hop's work. (A backward hop with no `payload` carries both.)"""
         if phase == "backward" and payload is None:
             raise ValueError("a backward ring hop carries two shards: ask for 'kv' or 'dkv'")
@@ -468,11 +468,6 @@ class AttentionOps:
         dt = self.facts(phase).gradient_bytes or self.dt if gradients else self.dt
         nbytes = kv_rows.owned_rows(self.lay) * self.kv_bytes(a, dt, phase) * self.w.micro_batch
         return self.comm("p2p", nbytes, self.g_ring, "attention-kv", kv_rows.ring_senders(self.lay))
-
-    def ring_hop_sources(self, hops: int, gradients: bool) -> np.ndarray:
-        """[hop, rank]: the rank whose shard each rank receives at each of the ring's first
-        `hops` hops (-1: none), by the ring's rule (`kv_rows.ring_sources`)."""
-        return kv_rows.ring_sources(self.lay, gradients)[:hops]
 
     def pattern(self, a: AttentionSpec, phase: Phase) -> str:
         return "none" if self.keys_at_home else kv_rows.pattern(self.lay, a, phase)

@@ -10,13 +10,10 @@ with the layout's ownership. `tests/test_kv_rows.py` holds them equal to the exc
 
 from __future__ import annotations
 
-import bisect
-import operator
-
 import numpy as np
 
 from csbp.simulator.layout.layout import Layout, Payload, Phase
-from csbp.simulator.layout.spans import Span, normalize, size, subtract
+from csbp.simulator.layout.spans import Span, normalize, overlapping, size, subtract
 from csbp.simulator.workload.spec import AttentionSpec
 
 PHASES: tuple[Phase, ...] = ("forward", "recompute", "backward")
@@ -96,7 +93,7 @@ def ring_sources(layout: Layout, gradients: bool) -> np.ndarray:
     (K/V, the forward's and the backward's); their partial dK/dV (`gradients`) ride from the
     second step on, and step m - 1 takes each shard's gradients home (its own). A layout's cp
     groups are equal in size. `step_received` counts a step's rows from it, the planner's ring
-    chains price each hop by it (`AttentionOps.ring_hop_sources`)."""
+    chains price each hop by it (`bounds.hop_chain`)."""
     key = ("ring-sources", gradients)
     if key not in layout.derived:
         groups = np.array(layout.cp_groups())  # [group, member]
@@ -164,15 +161,11 @@ def held(layout: Layout, what: str) -> np.ndarray:
 def _inside(spans: tuple[Span, ...], lo: int, hi: int) -> int:
     """Positions of `spans` (sorted, disjoint, as a layout keeps them) inside [lo, hi): the run
     of spans that overlap it found by bisection, its two ends clipped."""
-    i = bisect.bisect_right(spans, lo, key=_stop)  # the first span ending after lo
-    j = bisect.bisect_left(spans, hi, lo=i, key=_start)  # the first starting at or after hi
+    i, j = overlapping(spans, lo, hi)
     if i == j or hi <= lo:
         return 0
     first, last = spans[i], spans[j - 1]
     return size(spans[i:j]) - max(0, lo - first[0]) - max(0, last[1] - hi)
-
-
-_start, _stop = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def owned_rows(layout: Layout) -> np.ndarray:

@@ -60,8 +60,7 @@ def intersect(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
         a, b = b, a
     out: list[Span] = []
     for lo, hi in b:
-        i = bisect.bisect_right(a, lo, key=_stop)  # the first span ending after lo
-        j = bisect.bisect_left(a, hi, lo=i, key=_start)  # the first starting at or after hi
+        i, j = overlapping(a, lo, hi)
         if i == j:
             continue
         run = list(a[i:j])
@@ -69,6 +68,13 @@ def intersect(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
         run[-1] = (run[-1][0], min(run[-1][1], hi))
         out += run
     return tuple(out)
+
+
+def overlapping(spans: tuple[Span, ...], lo: int, hi: int) -> tuple[int, int]:
+    """(i, j): `spans[i:j]` are the spans of a normalised list that overlap [lo, hi), found by
+    bisection (the first ending after lo, the first starting at or after hi)."""
+    i = bisect.bisect_right(spans, lo, key=_stop)
+    return i, bisect.bisect_left(spans, hi, lo=i, key=_start)
 
 
 _start, _stop = operator.itemgetter(0), operator.itemgetter(1)

@@ -87,6 +87,7 @@ from csbp.simulator.engine.program import IO_STREAMS
 from csbp.simulator.cost.graph import Comm, StepGraph
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.workload.objectives import as_executed
+from csbp.simulator.layout import kv_rows
 from csbp.simulator.layout.layout import Layout
 from csbp.simulator.plan.plan import Plan
 from csbp.simulator.workload.spec import ModelSpec
@@ -372,7 +373,7 @@ def hop_chain(s, a, phase: str, hops: int, payload: str | None, priced: Hardware
     gradients = payload == "dkv"
 
     def add_up() -> np.ndarray:
-        src = s.ring_hop_sources(hops, gradients)  # [hop, rank]: whose shard it brings
+        src = kv_rows.ring_sources(s.lay, gradients)[:hops]  # [hop, rank]: whose shard it brings
         each = np.where(src >= 0, seconds(shards, priced)[src], 0.0)
         total = np.cumsum(each, axis=0)[-1].copy()  # in hop order, as the graph's hops add up
         total.flags.writeable = False  # shared by every candidate that asks
