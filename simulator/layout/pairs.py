@@ -16,7 +16,7 @@ import numpy as np
 
 from csbp.simulator.layout import mask
 from csbp.simulator.layout.layout import Layout
-from csbp.simulator.layout.spans import Span, intersect, normalize
+from csbp.simulator.layout.spans import Span, intersect, normalize, sorted_unique
 
 
 class QueryIntervals:
@@ -260,7 +260,7 @@ def _run_starts(queries: tuple[Span, ...], L: int, b: int, w: int) -> tuple[np.n
     owner = np.concatenate([np.repeat(part, offsets.size), np.arange(lo.size), np.arange(lo.size)])
     inside = (cut >= lo[owner]) & (cut < hi[owner])
     span = 2 * L + 1  # one sort key per (part, cut): parts apart, cuts in order, duplicates once
-    key = np.unique(owner[inside] * span + cut[inside])
+    key = sorted_unique(owner[inside] * span + cut[inside])
     owner, cut = key // span, key % span
     later = np.append(cut[1:], 0)
     same = np.append(owner[1:] == owner[:-1], False)

@@ -105,6 +105,16 @@ def shift(spans: Iterable[Span], offset: int) -> tuple[Span, ...]:
     return tuple((a + offset, b + offset) for a, b in spans)
 
 
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """np.unique of an integer array (sorted, each value once) by a sort and a comparison: the
+    same array, without np.unique's masked-array check, whose first call imports numpy.ma
+    (10-50 ms of a cold `csbp plan`)."""
+    values = np.sort(values, axis=None)
+    if values.size < 2:
+        return values
+    return values[np.concatenate(([True], values[1:] != values[:-1]))]
+
+
 def block_spans_each(lists, block: int) -> list[tuple[Span, ...]]:
     """Each list's blocks as spans of positions, neighbours merged: `normalize` of the blocks'
     spans, for every list at once (a layout deals thousands of blocks over up to a thousand
@@ -113,7 +123,7 @@ def block_spans_each(lists, block: int) -> list[tuple[Span, ...]]:
     if not k.size:
         return [()] * len(lists)
     top = int(k.max()) + 2  # one key per (list, block): lists apart, blocks in order, once
-    key = np.unique(which * top + k)
+    key = sorted_unique(which * top + k)
     which, k = key // top, key % top
     first = np.flatnonzero(np.concatenate([[True], (which[1:] != which[:-1]) | (k[1:] != k[:-1] + 1)]))
     last = np.append(first[1:], k.size) - 1
