@@ -74,7 +74,10 @@ def test_one_pass_is_the_event_queue_bit_for_bit(name, model, plan, kw, h200):
 REPEAT_CASES = [("csbp-ring", M8, Plan(dp=2, cp=32, bp=32, transport="ring"), "turbo-dllm"),
                 ("cp-ring", M8, Plan(cp=16, transport="ring"), "turbo-dllm"),
                 ("ep-ring", GEMMA, Plan(ep=2, cp=8, bp=8, transport="ring"), "turbo-dllm"),
-                ("csbp-short-layers", GEMMA, Plan(dp=4, cp=4, bp=4), "turbo-dllm")]  # 14-15 ops a layer
+                ("csbp-short-layers", GEMMA, Plan(dp=4, cp=4, bp=4), "turbo-dllm"),  # 14-15 ops a layer
+                # no rank waits for another inside a layer: the two ranks drift apart, each
+                # layer shifted by a time per rank
+                ("bp-drift", M8, Plan(dp=4, tp=2, bp=2), "turbo-dllm")]
 
 
 @pytest.mark.floats
@@ -106,6 +109,8 @@ def test_repeated_layers_are_the_walked_ones_shifted(name, model, plan, impl, h2
             for a, b in zip(walked, repeated):
                 assert np.abs(a - b).max() <= 1e-9 * step
     assert sum(r.hits for r in hits) > 0  # the shortcut was taken (else this tests nothing)
+    if name == "bp-drift":  # and its per-rank form
+        assert sum(r.drifted for r in hits) > 0
 
 
 @pytest.mark.floats

@@ -93,7 +93,10 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     maximum and sum of entry times and durations (the stretch too moves less than its inputs
     do), so a layer's times move by at most what its entry moved, and an entry taken as shifted
     within REPEAT_TOLERANCE of the latest time differs from the walked one by at most that much
-    (same bound per layer, not compounding: each is shifted from a walked instance).
+    (same bound per layer, not compounding: each is shifted from a walked instance). In a layer
+    where no rank waits for another (no transfer with a rank set or a sender: pure BP, DP, TP
+    and EP peers are copies), a rank's times are maxima and sums of its own entry and durations
+    only, so the shift may differ between ranks: one time per rank, on all its streams.
     """
     n = graph.ranks
     zero = np.zeros(n)
@@ -279,14 +282,16 @@ def _walking(top: list[tuple], expand: list) -> Iterator[tuple]:
 class _Instance:
     """One stamped layer as the walk meets it: its ops [first, end), its template, the ops
     before it that its ops wait for, whether it runs compute ops and transfers (else it leaves
-    that stream as it found it), and its steps once made (`instance_steps`)."""
+    that stream as it found it), whether its ranks time it each on its own (no transfer in it
+    waits for another representative rank: no rank set, no sender), and its steps once made
+    (`instance_steps`)."""
 
-    __slots__ = ("first", "end", "template", "inputs", "computes", "transfers", "walk")
+    __slots__ = ("first", "end", "template", "inputs", "computes", "transfers", "local", "walk")
 
     def __init__(self, first: int, end: int, template: int, inputs: tuple[int, ...], computes: bool,
-                 transfers: bool) -> None:
+                 transfers: bool, local: bool = False) -> None:
         self.first, self.end, self.template, self.inputs = first, end, template, inputs
-        self.computes, self.transfers, self.walk = computes, transfers, None
+        self.computes, self.transfers, self.local, self.walk = computes, transfers, local, None
 
 
 def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Instance]:
@@ -297,7 +302,8 @@ def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Inst
     every op waits for something (so that nothing in it starts before its inputs are there:
     `_Repeats.entry`) and that run nothing on an io stream (whose state the entry does not hold)."""
     _, which = graph.works()
-    first_of: dict[int, tuple[bytes, bool, bool] | None] = {}
+    per_work = program(graph)
+    first_of: dict[int, tuple[bytes, bool, bool, bool] | None] = {}
     out = []
     least = REPEAT_MIN_OPS if graph.ranks <= REPEAT_WIDE_RANKS else REPEAT_MIN_OPS_WIDE
     for first, end, template, inputs in graph.repeats:
@@ -306,14 +312,16 @@ def _instances(graph: StepGraph, stream: list[str], overlap: bool) -> list[_Inst
         if template not in first_of:  # its ops' streams and waits, read on its first instance
             on = stream[first:end]
             ok = all(graph.ops[i].deps for i in range(first, end)) and not any(x in IO_STREAMS for x in on)
+            local = all(sync is None and peer is None for _, sync, peer in
+                        (per_work[w] for w in set(which[first:end].tolist())))
             first_of[template] = (which[first:end].tobytes(), "compute" in on or (not overlap and bool(on)),
-                                  "comm" in on) if ok else None
+                                  "comm" in on, local) if ok else None
         known = first_of[template]
         if known is None:
             continue
-        works, computes, transfers = known  # its works' indices, compared as bytes
+        works, computes, transfers, local = known  # its works' indices, compared as bytes
         if inputs and which[first:end].tobytes() == works:
-            out.append(_Instance(first, end, template, inputs, computes, transfers))
+            out.append(_Instance(first, end, template, inputs, computes, transfers, local))
     return out
 
 
@@ -345,6 +353,7 @@ class _Repeats:
         self.pending: dict[int, np.ndarray] = {}
         self.prices: dict[int, bytes] = {}
         self.hits = 0
+        self.drifted = 0  # of the hits, shifted by a time per rank (`enter`)
         self.misses: dict[int, int] = {}  # per template, instances walked before any match
         self.matched: set[int] = set()  # templates with a match
 
@@ -387,14 +396,22 @@ class _Repeats:
         for e, walked, s, f, after in self.walked.get(inst.template, ()):
             moved = entry - e
             if few:
-                moved = moved.tolist()
-                by, least = max(moved), min(moved)  # one time for every rank and stream
+                listed = moved.tolist()
+                by, least = max(listed), min(listed)  # one time for every rank and stream
             else:
                 by, least = float(moved.max()), float(moved.min())
             if latest is None:
                 latest = max(entry.tolist()) if few else float(entry.max())
             if least < by - REPEAT_TOLERANCE * latest:
-                continue
+                if not inst.local:
+                    continue
+                # ranks that wait for no other rank in it: each rank's times move by what its
+                # own entry moved (its streams, its inputs), as ranks drift apart layer by layer
+                moved = moved.reshape(-1, len(s[0]))
+                by = moved.max(axis=0)
+                if (moved.min(axis=0) < by - REPEAT_TOLERANCE * latest).any():
+                    continue
+                self.drifted += 1
             if self._priced(walked) != self._priced(inst):
                 continue  # re-priced op by op (host crowding): not the same layer
             self.hits += 1
