@@ -47,6 +47,9 @@ from csbp.simulator.cost.step_ops import (COUNT_BYTES, LOSS_BYTES, Category, Col
 from csbp.simulator.workload.workload import Workload
 
 _TEMPLATE_IDS = count()
+# what the engines keep with a graph per profile (`engine.durations`, `engine.stretch`): a graph
+# placed again (`StepGraph.placed_as`) prices its transfers again
+PRICED_ARRAYS = ("durations", "stretch")
 
 # Training does dgrad + wgrad: a linear layer's backward is twice its forward.
 GEMM_BACKWARD_FLOP_RATIO = 2.0
@@ -127,7 +130,7 @@ class StepGraph:
             ops[i] = ops[i]._replace(work=placed[which[i]])
         graph = StepGraph(self.ranks, tuple(ops), self.model_flops, self.views, self.notes, self.repeats,
                           tuple(recipes.items()))
-        graph._arrays.update(self._arrays)
+        graph._arrays.update((k, v) for k, v in self._arrays.items() if k[0] not in PRICED_ARRAYS)
         graph._arrays["works"] = (placed, which)
         return graph
 

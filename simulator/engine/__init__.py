@@ -39,10 +39,26 @@ class Timeline:
 
 
 def durations(graph: StepGraph, profile: HardwareProfile) -> np.ndarray:
-    """[op, rank] seconds; identical layers share work objects, so each is priced once."""
+    """[op, rank] seconds (read-only); identical layers share work objects, so each is priced
+    once. Kept with the graph for the profile: the planner runs both engines on its best plans."""
+    return _per_profile(graph, profile, "durations", lambda: _priced(graph, profile))
+
+
+def _priced(graph: StepGraph, profile: HardwareProfile) -> np.ndarray:
     works, which = graph.works()
     priced = np.array([seconds(w, profile) for w in works]).reshape(-1, graph.ranks)
     return priced[which]
+
+
+def _per_profile(graph: StepGraph, profile: HardwareProfile, what: str, make):
+    """`make()` once per graph and profile (the same profile object), its array read-only."""
+    hit = graph._arrays.get((what, id(profile)))
+    if hit is None or hit[0] is not profile:
+        made = make()
+        if made is not None:
+            made.flags.writeable = False
+        hit = graph._arrays[(what, id(profile))] = (profile, made)
+    return hit[1]
 
 
 def simulate_graph(graph: StepGraph, profile: HardwareProfile, engine: str = "des",
@@ -80,11 +96,14 @@ def stretch(graph: StepGraph, profile: HardwareProfile) -> np.ndarray | None:
     memory, compute = profile.overlap_slowdown(True), profile.overlap_slowdown(False)
     if memory == 1.0 and compute == 1.0:
         return None
-    works, which = graph.works()
-    per_work = np.array([1.0 if isinstance(w, Comm) else
-                         memory if w.kind in ("elementwise", "optimizer", "storage-read") else compute
-                         for w in works])
-    return per_work[which]
+
+    def make() -> np.ndarray:
+        works, which = graph.works()
+        per_work = np.array([1.0 if isinstance(w, Comm) else
+                             memory if w.kind in ("elementwise", "optimizer", "storage-read") else compute
+                             for w in works])
+        return per_work[which]
+    return _per_profile(graph, profile, "stretch", make)
 
 
 @dataclass(frozen=True)
