@@ -17,7 +17,7 @@ from csbp.simulator.layout.pairs import QueryIntervals
 from csbp.simulator.layout.spans import normalize
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.cost.linear_ops import delta_rule_flops_per_token
-from csbp.simulator.cost.step_ops import COUNT_BYTES, Comm, Compute, Deps, Work
+from csbp.simulator.cost.step_ops import COUNT_BYTES, Comm, Compute, Deps, Op, Work
 from csbp.simulator.workload.workload import Workload
 
 @functools.lru_cache(maxsize=64)
@@ -172,10 +172,16 @@ class ObjectiveOps:
         if self.obj.soft_embedding:
             x = sub.soft_embedding(x)
         scaled: dict[int, Work] = {}
+        renamed: dict[str, str] = {}
+        new = tuple.__new__  # an Op made as its namedtuple's _replace makes it, without the call
         for op in self.ops[start:]:
-            if id(op.work) not in scaled:  # by value, once per view (candidates share the works)
-                scaled[id(op.work)] = sub.derived(("scaled", op.work, p), partial(_scaled, op.work, p))
-            self.ops[op.index] = op._replace(name=f"selfcond.{op.name}", work=scaled[id(op.work)])
+            work = scaled.get(id(op.work))
+            if work is None:  # by value, once per view (candidates share the works)
+                work = scaled[id(op.work)] = sub.derived(("scaled", op.work, p), partial(_scaled, op.work, p))
+            name = renamed.get(op.name)
+            if name is None:
+                name = renamed[op.name] = f"selfcond.{op.name}"
+            self.ops[op.index] = new(Op, (op.index, name, op.phase, op.layer, work, op.deps))
         return x
 
     def model_flops(self) -> float:
