@@ -442,7 +442,13 @@ class AttentionOps:
     def kv_work(self, a: AttentionSpec, phase: Phase, step: int, payload: str | None) -> Comm | None:
         """`kv_comm`, made once per layout ownership and what else the transfer reads (candidates
         that differ in dp, ep or checkpointing where their groups match share it, and the
-        engines price it once)."""
+        engines price it once). A recompute moves what the forward moved where the
+        implementation runs the two alike (`kv_comm` reads the phase only through its pattern
+        and facts): one work for both."""
+        if phase == "recompute" and self.facts("recompute") is self.facts("forward") \
+                and self.pattern(a, "recompute") == self.pattern(a, "forward"):
+            phase = "forward"
+
         def shared() -> Comm | None:
             group = self.g_ring if self.pattern(a, phase) == "ring" else self.g_cp  # the one it moves on
             f = self.facts(phase)  # what kv_comm reads of them
