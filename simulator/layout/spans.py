@@ -138,8 +138,9 @@ def flat_lists(lists) -> tuple[np.ndarray, np.ndarray]:
 
 
 def spans_per_list(n: int, which: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[tuple[Span, ...]]:
-    """Spans [lo, hi) sorted by list (`which`), back as one tuple of Python ints per list."""
-    out: list[list] = [[] for _ in range(n)]
-    for w, a, z in zip(which.tolist(), lo.tolist(), hi.tolist()):
-        out[w].append((a, z))
-    return [tuple(x) for x in out]
+    """Spans [lo, hi) sorted by list (`which`, ascending), back as one tuple of Python ints per
+    list: each list's run cut out by a bisection and zipped whole (a layout of 1,024 blocks has
+    a few thousand spans; a Python step per span cost 1-2 ms a layout)."""
+    cuts = np.searchsorted(which, np.arange(n + 1)).tolist()
+    starts, stops = lo.tolist(), hi.tolist()
+    return [tuple(zip(starts[a:z], stops[a:z])) for a, z in zip(cuts, cuts[1:])]
