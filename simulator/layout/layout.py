@@ -139,6 +139,9 @@ def assign_blocks(n_blocks: int, n_ranks: int, schedule: str) -> tuple[tuple[int
     return tuple(tuple(sorted(o)) for o in owned)
 
 
+_OWN_FIELDS: dict[type, tuple[str, ...]] = {}  # per layout class: `ownership_key`'s fields
+
+
 @dataclass(frozen=True)
 class Layout:
     """Ownership and K/V movement of one context group for (workload, plan)."""
@@ -169,8 +172,11 @@ class Layout:
     def ownership_key(self) -> tuple:
         """What `shares` depends on: the layout's own fields (sequence, block, anchors, ...) and
         the plan's kind, cp, bp and schedule, not its dp, tp, ep, transport or checkpointing."""
-        own = tuple(getattr(self, f.name) for f in fields(self)
-                    if f.init and f.name not in ("plan", "checkpointing"))
+        names = _OWN_FIELDS.get(type(self))
+        if names is None:  # dataclasses.fields costs ~20 us: a search asks once per candidate
+            names = _OWN_FIELDS[type(self)] = tuple(f.name for f in fields(self)
+                                                    if f.init and f.name not in ("plan", "checkpointing"))
+        own = tuple(getattr(self, name) for name in names)
         p = self.plan
         return (type(self), own, p.kind, p.cp, p.bp, p.schedule)
 

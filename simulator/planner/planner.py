@@ -20,7 +20,7 @@ import heapq
 import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import product
@@ -34,7 +34,7 @@ from csbp.simulator.errors import InputError
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.workload.objectives import as_executed
 from csbp.simulator.layout.layout import Layout
-from csbp.simulator.cost.memory import estimate_memory
+from csbp.simulator.cost.memory import MemoryEstimate, estimate_memory
 from csbp.simulator.plan.plan import AXES, Plan, Schedule, Transport, one_line
 from csbp.simulator.report.result import Result
 from csbp.simulator.engine.simulate import simulate
@@ -140,6 +140,16 @@ class Space:
     def reject(self, label: str, reason: str, rule: bool) -> None:
         key = reason_group(reason, rule)
         self.rejected.setdefault(key, InfeasibleGroup(key, reason)).plans.append(label)
+
+    def reject_memory(self, label: str, reason: Callable[[], str]) -> None:
+        """`reject` of a plan the memory model found not to fit, its line (`reason()`, which
+        names GiB: the group "memory") written only where it is that group's first, its example:
+        a search rejects thousands, and each line reads the peak's breakdown."""
+        group = self.rejected.get("memory")
+        if group is None:
+            self.reject(label, reason(), rule=False)
+        else:
+            group.plans.append(label)
 
     def groups(self) -> list[InfeasibleGroup]:
         return sorted(self.rejected.values(), key=lambda g: -len(g.plans))
@@ -287,8 +297,13 @@ def memory_misfit(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -
     Memory needs only the layout, not the step's timeline, so it costs milliseconds where a
     simulation costs far more; at long context most of the space does not fit, so it goes first.
     """
+    return candidate_memory(model, cand, profile).reason
+
+
+def candidate_memory(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -> MemoryEstimate:
+    """The memory model's estimate for a candidate (`memory_misfit` reads why it does not fit)."""
     layout = Layout.build(as_executed(cand.workload, model), cand.plan)
-    return estimate_memory(model, cand.workload, cand.plan, layout, profile).reason
+    return estimate_memory(model, cand.workload, cand.plan, layout, profile)
 
 
 def _simulate_one(model: ModelSpec, profile: HardwareProfile, nodes: int, engine: str,
@@ -377,11 +392,11 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
     misfits: set[int] = set()
 
     def fits(cand: Candidate) -> bool:
-        reason = memory_misfit(model, cand, profile)
-        if reason:
-            space.reject(cand.label, reason, rule=False)
+        memory = candidate_memory(model, cand, profile)
+        if not memory.feasible:
+            space.reject_memory(cand.label, lambda: memory.reason)
             misfits.add(id(cand))
-        return not reason
+        return memory.feasible
 
     # the baseline alone (`method_vs_implementation`) or a map's cell (`misfits=False`) reads no
     # memory rejection and no count: memory is then checked only for the candidates the screen
