@@ -119,7 +119,7 @@ class AttentionOps:
         step_keys = np.zeros((m, self.n))
         step_queries = np.zeros((m, self.n))  # `steps`: the queries that see that shard
         for g in self.cp_sync:
-            shards = [lay.shares[r].owned_kv for r in g]
+            shards = pairs.KeySets([lay.shares[r].owned_kv for r in g])  # asked by every member
             back = (np.arange(m)[:, None] - np.arange(m)[None, :]) % m  # [i, s] -> member i - s
             for i, r in enumerate(g):
                 with_each = queries[r].pairs_with_each(shards)  # pairs with member j's shard

@@ -19,6 +19,26 @@ from csbp.simulator.layout.layout import Layout
 from csbp.simulator.layout.spans import Span, intersect, normalize, sorted_unique
 
 
+class KeySets:
+    """Several key sets, each `normalize`d, and all their spans flattened once: (set, start,
+    stop) per span as a list and as arrays. A ring's split asks every rank of a group about the
+    same members' shards (256 ranks x 256 shards at 1,024 GPUs): made once per group, not once
+    per rank."""
+
+    __slots__ = ("n", "sets", "spans", "which", "starts", "stops")
+
+    def __init__(self, key_sets) -> None:
+        self.n = len(key_sets)
+        self.sets = [normalize(keys) for keys in key_sets]
+        self.spans = [(j, a, z) for j, keys in enumerate(self.sets) for a, z in keys]
+        flat = np.array(self.spans, dtype=np.int64).reshape(-1, 3).T
+        self.which, self.starts, self.stops = flat[0], flat[1], flat[2]
+
+    @classmethod
+    def of(cls, key_sets) -> "KeySets":
+        return key_sets if isinstance(key_sets, cls) else cls(key_sets)
+
+
 class QueryIntervals:
     """The key intervals a rank's queries see, so attention work can be split by where keys live.
 
@@ -88,20 +108,21 @@ class QueryIntervals:
         A run [a, z) meets a set of sorted disjoint spans iff the last span starting below z
         ends above a: one searchsorted per run over every set's spans at once (sets offset
         apart so that their spans never interleave)."""
-        out = np.zeros(len(key_sets), dtype=np.int64)
+        key_sets = KeySets.of(key_sets)
+        out = np.zeros(key_sets.n, dtype=np.int64)
         if self._runs is not None:
             out[:] = int(self._runs.n.sum())
             return out
-        spans = [(j, a, z) for j, keys in enumerate(key_sets) for a, z in normalize(keys)]
+        spans = key_sets.spans
         if not spans or self.weight.size == 0:
             return out
         ranges = self._monotone_runs()
         if ranges is not None:  # each span meets one contiguous range of each kind's runs
             total = np.concatenate([[0], np.cumsum(self.weight)])
-            hits: list[list[tuple[int, int]]] = [[] for _ in key_sets]
+            hits: list[list[tuple[int, int]]] = [[] for _ in range(key_sets.n)]
             for first, a, z in ranges:
-                lo = np.searchsorted(z, [s for _, s, _ in spans], side="right")  # z > s from here
-                hi = np.searchsorted(a, [e for _, _, e in spans], side="left")  # a < e up to here
+                lo = np.searchsorted(z, key_sets.starts, side="right")  # z > s from here
+                hi = np.searchsorted(a, key_sets.stops, side="left")  # a < e up to here
                 for (j, _, _), i0, i1 in zip(spans, lo.tolist(), hi.tolist()):
                     if i1 > i0:
                         hits[j].append((first + i0, first + i1))
@@ -109,11 +130,11 @@ class QueryIntervals:
                 for i0, i1 in normalize(found):
                     out[j] += int(total[i1] - total[i0])
             return out
-        which, starts, stops = np.array(spans, dtype=np.int64).T
+        which, starts, stops = key_sets.which, key_sets.starts, key_sets.stops
         shift = int(max(int(stops.max()), max(int(hi.max(initial=0)) for _, hi in self.intervals)) + 1)
         starts, stops = starts + which * shift, stops + which * shift  # set j lives in [j*shift, ...)
-        sets = np.arange(len(key_sets), dtype=np.int64)[:, None] * shift
-        seen = np.zeros((len(key_sets), self.weight.size), dtype=bool)
+        sets = np.arange(key_sets.n, dtype=np.int64)[:, None] * shift
+        seen = np.zeros((key_sets.n, self.weight.size), dtype=bool)
         for lo, hi in self.intervals:
             a, z = lo[None, :] + sets, hi[None, :] + sets
             k = np.searchsorted(starts, z, side="left") - 1  # last span starting below z
@@ -145,10 +166,11 @@ class QueryIntervals:
         (Q(2C) x K(C) when only a shard's first chunk is visible). Exact without a window;
         with one, every key of the set is counted [U]. The union of the queries' runs is kept
         as sorted disjoint segments with the length covered below each start."""
+        key_sets = KeySets.of(key_sets)
         if self._runs is not None:
-            return np.array([sum(e - s for s, e in normalize(keys)) for keys in key_sets], dtype=np.int64)
+            return np.array([sum(e - s for s, e in keys) for keys in key_sets.sets], dtype=np.int64)
         if self.weight.size == 0:
-            return np.zeros(len(key_sets), dtype=np.int64)
+            return np.zeros(key_sets.n, dtype=np.int64)
         if not hasattr(self, "_seen"):
             a = np.concatenate([lo for lo, _ in self.intervals])
             z = np.concatenate([hi for _, hi in self.intervals])
@@ -169,20 +191,18 @@ class QueryIntervals:
             inside = np.where(k >= 0, np.minimum(x, seg_z[np.maximum(k, 0)]) - seg_a[np.maximum(k, 0)], 0)
             return np.where(k >= 0, before[np.maximum(k, 0)] + np.maximum(inside, 0), 0)
 
-        out = np.zeros(len(key_sets), dtype=np.int64)
-        spans = [(j, a, z) for j, keys in enumerate(key_sets) for a, z in normalize(keys)]
-        if spans:
-            which, s, e = np.array(spans, dtype=np.int64).T
-            np.add.at(out, which, covered(e) - covered(s))
+        out = np.zeros(key_sets.n, dtype=np.int64)
+        if key_sets.spans:
+            np.add.at(out, key_sets.which, covered(key_sets.stops) - covered(key_sets.starts))
         return out
 
-    def pairs_with_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
-        """Pairs with each of several key sets (each a tuple of disjoint spans), in one pass."""
-        spans = [(i, s, e) for i, keys in enumerate(key_sets) for s, e in normalize(keys)]
-        out = np.zeros(len(key_sets), dtype=np.int64)
-        if spans:
-            which, s, e = np.array(spans, dtype=np.int64).T
-            np.add.at(out, which, self.below(e) - self.below(s))
+    def pairs_with_each(self, key_sets: "list[tuple[Span, ...]] | KeySets") -> np.ndarray:
+        """Pairs with each of several key sets (each a tuple of disjoint spans, or `KeySets`
+        made once for many ranks), in one pass."""
+        key_sets = KeySets.of(key_sets)
+        out = np.zeros(key_sets.n, dtype=np.int64)
+        if key_sets.spans:
+            np.add.at(out, key_sets.which, self.below(key_sets.stops) - self.below(key_sets.starts))
         return out
 
 
