@@ -402,7 +402,8 @@ class _Repeats:
                 by, least = float(moved.max()), float(moved.min())
             if latest is None:
                 latest = max(entry.tolist()) if few else float(entry.max())
-            if least < by - REPEAT_TOLERANCE * latest:
+            per_rank = least < by - REPEAT_TOLERANCE * latest
+            if per_rank:
                 if not inst.local:
                     continue
                 # ranks that wait for no other rank in it: each rank's times move by what its
@@ -411,10 +412,10 @@ class _Repeats:
                 by = moved.max(axis=0)
                 if (moved.min(axis=0) < by - REPEAT_TOLERANCE * latest).any():
                     continue
-                self.drifted += 1
             if self._priced(walked) != self._priced(inst):
                 continue  # re-priced op by op (host crowding): not the same layer
             self.hits += 1
+            self.drifted += per_rank
             self.matched.add(template)
             compute_free, comm_free, comm_until = state
             if inst.computes:

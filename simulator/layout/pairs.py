@@ -99,7 +99,7 @@ class QueryIntervals:
         one = np.zeros(self.weight.size, dtype=np.int64)  # every query of the one rank
         return int(_block_pairs(_RankKeys([keys]), one, self.intervals, self.weight).sum())
 
-    def queries_seeing_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
+    def queries_seeing_each(self, key_sets: "list[tuple[Span, ...]] | KeySets") -> np.ndarray:
         """Queries with at least one visible key in each key set: the query rows a call over
         that set runs when it skips the queries that see none of its keys (the frameworks' CP
         step calls, Q(C) x K(2C) rather than Q(2C) x K(2C)). Exact without a window (every query
@@ -161,7 +161,7 @@ class QueryIntervals:
             self._monotone = out
         return self._monotone
 
-    def keys_seen_each(self, key_sets: list[tuple[Span, ...]]) -> np.ndarray:
+    def keys_seen_each(self, key_sets: "list[tuple[Span, ...]] | KeySets") -> np.ndarray:
         """Keys of each key set that at least one query sees: the key rows such a call reads
         (Q(2C) x K(C) when only a shard's first chunk is visible). Exact without a window;
         with one, every key of the set is counted [U]. The union of the queries' runs is kept
