@@ -97,11 +97,13 @@ class OptimizerOps:
     def bucket_elements(self) -> float:
         """Elements of one gradient bucket (`largest-parameter`): the largest parameter this
         rank trains, the embedding (V x h / tp) unless it is frozen (implementation.md 8)."""
-        m = self.m
-        widths = [m.ffn, *(a.n_heads * a.head_dim for a in m.layers)]
-        if not self.obj.frozen_embeddings:
-            widths.append(m.vocab)
-        return max(widths) * m.hidden / self.tp
+        def make() -> float:  # asked at every layer's bucket: found once per graph
+            m = self.m
+            widths = [m.ffn, *(a.n_heads * a.head_dim for a in m.layers)]
+            if not self.obj.frozen_embeddings:
+                widths.append(m.vocab)
+            return max(widths) * m.hidden / self.tp
+        return self.cached("bucket-elements", make)
 
     def bucket_ready(self, layer: int | None, dense: float, expert: float, x: Deps,
                      last: bool = False) -> Deps:
