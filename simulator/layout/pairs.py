@@ -16,7 +16,7 @@ import numpy as np
 
 from csbp.simulator.layout import mask
 from csbp.simulator.layout.layout import Layout
-from csbp.simulator.layout.spans import Span, intersect, normalize, sorted_unique
+from csbp.simulator.layout.spans import Span, flat_spans, intersect, normalize, sorted_unique
 
 
 class KeySets:
@@ -442,14 +442,13 @@ def totals(layout: Layout, window: int | None = None) -> np.ndarray:
         return np.array([sum(int(below[e] - below[s]) for s, e in share.positions)
                          for share in layout.shares], dtype=np.int64)
     L, b = layout.seq_len, layout.block
-    spans = [(r, s, e) for r, share in enumerate(layout.shares) for s, e in share.positions]
+    rank, lo, hi = flat_spans([share.positions for share in layout.shares])
     out = np.zeros(layout.size, dtype=np.int64)
-    if not spans:
+    if not rank.size:
         return out
-    rank, lo, hi = np.array(spans, dtype=np.int64).T
     first, last = lo // b, (hi - 1) // b
     pieces = last - first + 1
-    which = np.repeat(np.arange(len(spans)), pieces)
+    which = np.repeat(np.arange(rank.size), pieces)
     ids = first[which] + np.arange(which.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     held = np.minimum(hi[which], (ids + 1) * b) - np.maximum(lo[which], ids * b)
     np.add.at(out, rank[which], held * _block_counts(L, b)[ids])

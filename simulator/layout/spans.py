@@ -137,6 +137,15 @@ def flat_lists(lists) -> tuple[np.ndarray, np.ndarray]:
     return which, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(sizes))
 
 
+def flat_spans(span_lists) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(which list, start, stop) of every span of every list of spans, as three arrays, read
+    without a Python tuple per span (a 1,024-GPU layout's ranks hold thousands)."""
+    sizes = [len(x) for x in span_lists]
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(span_lists)),
+                       dtype=np.int64, count=2 * sum(sizes))
+    return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes), flat[0::2], flat[1::2]
+
+
 def spans_per_list(n: int, which: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[tuple[Span, ...]]:
     """Spans [lo, hi) sorted by list (`which`, ascending), back as one tuple of Python ints per
     list: each list's run cut out by a bisection and zipped whole (a layout of 1,024 blocks has
