@@ -130,7 +130,8 @@ class StepGraph:
             ops[i] = ops[i]._replace(work=placed[which[i]])
         graph = StepGraph(self.ranks, tuple(ops), self.model_flops, self.views, self.notes, self.repeats,
                           tuple(recipes.items()))
-        graph._arrays.update((k, v) for k, v in self._arrays.items() if k[0] not in PRICED_ARRAYS)
+        graph._arrays.update((k, v) for k, v in self._arrays.items()
+                             if not (isinstance(k, tuple) and k[0] in PRICED_ARRAYS))
         graph._arrays["works"] = (placed, which)
         return graph
 

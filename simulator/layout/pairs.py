@@ -20,19 +20,17 @@ from csbp.simulator.layout.spans import Span, flat_spans, intersect, normalize, 
 
 
 class KeySets:
-    """Several key sets, each `normalize`d, and all their spans flattened once: (set, start,
-    stop) per span as a list and as arrays. A ring's split asks every rank of a group about the
-    same members' shards (256 ranks x 256 shards at 1,024 GPUs): made once per group, not once
-    per rank."""
+    """Several key sets, each `normalize`d, and all their spans flattened once into arrays (the
+    set, start and stop of each: `flat_spans`). A ring's split asks every rank of a group about
+    the same members' shards (256 ranks x 256 shards at 1,024 GPUs): made once per group, not
+    once per rank."""
 
-    __slots__ = ("n", "sets", "spans", "which", "starts", "stops")
+    __slots__ = ("n", "sets", "which", "starts", "stops")
 
     def __init__(self, key_sets) -> None:
         self.n = len(key_sets)
         self.sets = [normalize(keys) for keys in key_sets]
-        self.spans = [(j, a, z) for j, keys in enumerate(self.sets) for a, z in keys]
-        flat = np.array(self.spans, dtype=np.int64).reshape(-1, 3).T
-        self.which, self.starts, self.stops = flat[0], flat[1], flat[2]
+        self.which, self.starts, self.stops = flat_spans(self.sets)
 
     @classmethod
     def of(cls, key_sets) -> "KeySets":
@@ -113,8 +111,7 @@ class QueryIntervals:
         if self._runs is not None:
             out[:] = int(self._runs.n.sum())
             return out
-        spans = key_sets.spans
-        if not spans or self.weight.size == 0:
+        if not key_sets.which.size or self.weight.size == 0:
             return out
         ranges = self._monotone_runs()
         if ranges is not None:  # each span meets one contiguous range of each kind's runs
@@ -123,7 +120,7 @@ class QueryIntervals:
             for first, a, z in ranges:
                 lo = np.searchsorted(z, key_sets.starts, side="right")  # z > s from here
                 hi = np.searchsorted(a, key_sets.stops, side="left")  # a < e up to here
-                for (j, _, _), i0, i1 in zip(spans, lo.tolist(), hi.tolist()):
+                for j, i0, i1 in zip(key_sets.which.tolist(), lo.tolist(), hi.tolist()):
                     if i1 > i0:
                         hits[j].append((first + i0, first + i1))
             for j, found in enumerate(hits):
@@ -192,7 +189,7 @@ class QueryIntervals:
             return np.where(k >= 0, before[np.maximum(k, 0)] + np.maximum(inside, 0), 0)
 
         out = np.zeros(key_sets.n, dtype=np.int64)
-        if key_sets.spans:
+        if key_sets.which.size:
             np.add.at(out, key_sets.which, covered(key_sets.stops) - covered(key_sets.starts))
         return out
 
@@ -201,7 +198,7 @@ class QueryIntervals:
         made once for many ranks), in one pass."""
         key_sets = KeySets.of(key_sets)
         out = np.zeros(key_sets.n, dtype=np.int64)
-        if key_sets.spans:
+        if key_sets.which.size:
             np.add.at(out, key_sets.which, self.below(key_sets.stops) - self.below(key_sets.starts))
         return out
 
