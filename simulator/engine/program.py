@@ -101,8 +101,9 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     n = graph.ranks
     zero = np.zeros(n)
     maximum = np.maximum
-    start: list = [None] * len(graph.ops)
-    finish: list = [None] * len(graph.ops)
+    # one row per op, written once: a layer timed as an earlier one shifted is one block write,
+    # and the rows need no joining at the end
+    start, finish = np.empty(d.shape), np.empty(d.shape)
     compute_free = comm_free = comm_until = zero
     io_free = {}
     if stretch is not None and (not overlap or not (stretch > 1).any()):
@@ -173,7 +174,9 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
             if shifted is None:
                 expand.append(instance_steps(graph, sync, overlap, queue_comm, stretch is not None))
                 continue
-            start[sync.first:sync.end], finish[sync.first:sync.end], state = shifted
+            s, f, by, state = shifted
+            np.add(s, by, out=start[sync.first:sync.end])
+            np.add(f, by, out=finish[sync.first:sync.end])
             compute_free, comm_free, comm_until = state
             calm = stretch is None
             continue
@@ -185,10 +188,7 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
             end = io_free[kind] = begin + took
         start[i] = begin
         finish[i] = end
-    shape = d.shape  # one row per op: joined end to end (no per-row shape checks), then shaped
-    if not start:
-        return np.zeros(shape), np.zeros(shape)
-    return np.concatenate(start).reshape(shape), np.concatenate(finish).reshape(shape)
+    return start, finish
 
 
 _COMPUTE, _COMM, _ENTER, _LEAVE = "compute", "comm", "enter", "leave"
@@ -383,8 +383,8 @@ class _Repeats:
         return key
 
     def enter(self, inst: _Instance, finish: list, state: tuple):
-        """(its ops' start rows, finish rows, the streams' state after it) as an earlier
-        instance's shifted, or None: walk it (its entry is kept for `leave`). A few ranks' entry is
+        """(an earlier instance's start rows and finish rows, the shift its own are those plus
+        (one time, or one per rank), the streams' state after it), or None: walk it (its entry is kept for `leave`). A few ranks' entry is
         compared on Python floats, where numpy's reductions cost more than the arithmetic (the
         same IEEE differences, maxima and minima either way)."""
         template = inst.template
@@ -424,7 +424,7 @@ class _Repeats:
                 comm_free = after[1] + by
             if self.stretched:  # until-when only ever grows; an earlier one matters nowhere
                 comm_until = np.maximum(comm_until, after[2] + by)
-            return list(s + by), list(f + by), (compute_free, comm_free, comm_until)
+            return s, f, by, (compute_free, comm_free, comm_until)
         self.pending[inst.first] = entry
         if template not in self.matched:
             self.misses[template] = self.misses.get(template, 0) + 1
@@ -436,8 +436,8 @@ class _Repeats:
             return
         a, b = inst.first, inst.end
         kept = self.walked.setdefault(inst.template, [])
-        # rows of one shape: np.array joins them as np.stack does, at a third of its cost
-        kept.insert(0, (entry, inst, np.array(start[a:b]), np.array(finish[a:b]), state))
+        # its rows as they are: `run` writes each op's row once
+        kept.insert(0, (entry, inst, start[a:b], finish[a:b], state))
         del kept[self.KEPT:]
 
 
