@@ -241,10 +241,23 @@ def steps(graph: StepGraph, overlap: bool, queue_comm: bool, stretched: bool = F
 
 def instance_steps(graph: StepGraph, inst: "_Instance", overlap: bool, queue_comm: bool,
                    stretched: bool) -> list[tuple]:
-    """A stamped layer's steps and its _LEAVE, made once per layer and engine."""
+    """A stamped layer's steps and its _LEAVE, made once per layer and engine: from its ops for
+    the first instance of its template walked, shifted from that one's for the others (the
+    same works, streams and waits inside the layer, so the same kinds and chains; inputs from
+    outside it never continue a chain, which starts afresh at the layer)."""
     if inst.walk is None:
-        inst.walk = _segment(graph, inst.first, inst.end, overlap, queue_comm, stretched) + \
-            [(-1, (), _LEAVE, inst, None, None)]
+        made = graph._arrays.setdefault(("template-steps", overlap, queue_comm, stretched), {})
+        base = made.get(inst.template)
+        if base is None:
+            walk = made[inst.template] = (inst.first, _segment(graph, inst.first, inst.end, overlap,
+                                                                queue_comm, stretched))
+            walk = walk[1]
+        else:
+            first, steps = base
+            by, ops = inst.first - first, graph.ops
+            walk = [(i + by, ops[i + by].deps, kind, sync, peer, None if chain is None else chain + by)
+                    for i, _, kind, sync, peer, chain in steps]
+        inst.walk = walk + [(-1, (), _LEAVE, inst, None, None)]
     return inst.walk
 
 
