@@ -83,7 +83,7 @@ from __future__ import annotations
 import numpy as np
 
 from csbp.simulator.engine import durations, host_crowding
-from csbp.simulator.engine.program import IO_STREAMS
+from csbp.simulator.engine.program import IO_STREAMS, streams
 from csbp.simulator.cost.graph import Comm, StepGraph
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.workload.objectives import as_executed
@@ -173,8 +173,8 @@ def segment_durations(graph: StepGraph, d: np.ndarray) -> tuple[list[tuple], dic
     out: list[tuple] = []
     readers: dict[str, np.ndarray] = {}
     segment, members = None, []
-    for op in graph.ops:
-        if op.stream in IO_STREAMS:  # a background reader beside the step: its own bound (reason 6)
+    for op, stream in zip(graph.ops, streams(graph)):
+        if stream in IO_STREAMS:  # a background reader beside the step: its own bound (reason 6)
             readers[op.stream] = readers.get(op.stream, 0.0) + d[op.index]
             continue
         if (op.layer, op.phase) != segment:
@@ -193,19 +193,21 @@ def _alone(ops: list, d: np.ndarray, n: int) -> np.ndarray | None:
     """How long a segment's compute stream lasts at least on each rank (reason 1): its ops
     alone, in program order, inputs from other segments ready at its start, transfers as soon
     as their inputs are; None if it runs no compute op."""
-    never = np.full(n, -np.inf)  # ready before the segment: no wait to count
+    # an op none of whose inputs is in the segment is ready at once (None: no wait to count,
+    # as -inf would be), and so is a transfer that waits for none, which is left out
     finish: dict[int, np.ndarray] = {}
     clock, computes = np.zeros(n), False
     for op in ops:
-        took = d[op.index]
-        ready = never
+        ready = None
         for j in op.deps:
-            if j in finish:
-                ready = np.maximum(ready, finish[j])
+            f = finish.get(j)
+            if f is not None:
+                ready = f if ready is None else np.maximum(ready, f)
         if isinstance(op.work, Comm):
-            finish[op.index] = ready + took
+            if ready is not None:
+                finish[op.index] = ready + d[op.index]
         else:
-            clock = np.maximum(clock, ready) + took
+            clock = (clock if ready is None else np.maximum(clock, ready)) + d[op.index]
             finish[op.index] = clock
             computes = True
     return clock if computes else None
@@ -218,7 +220,7 @@ def _segments(graph: StepGraph, d: np.ndarray) -> list[tuple]:
     from its start, by reason 1: `_alone`)."""
     from csbp.simulator.engine.program import program
 
-    per_work, (_, which) = program(graph), graph.works()
+    per_work, (_, which), on = program(graph), graph.works(), streams(graph)
     n = graph.ranks
     out, ops = [], graph.ops
     start = 0
@@ -228,12 +230,12 @@ def _segments(graph: StepGraph, d: np.ndarray) -> list[tuple]:
         while end < len(ops) and (ops[end].layer, ops[end].phase) == key:
             end += 1
         inside = range(start, end)
-        compute = [i for i in inside if not per_work[which[i]][0] and ops[i].stream not in IO_STREAMS]
+        compute = [i for i in inside if not per_work[which[i]][0] and on[i] not in IO_STREAMS]
         if compute:
             head = ops[compute[0]].name.split(".", 1)[0]
             stream = head if head in ("encoder", "decoder", "selfcond") else ""
             run = (stream, "forward" if key[1] == "forward" else "backward")
-            alone = _alone([ops[i] for i in inside if ops[i].stream not in IO_STREAMS], d, n)
+            alone = _alone([ops[i] for i in inside if on[i] not in IO_STREAMS], d, n)
             out.append((key[0], key[1], run, _segment(ops, compute, start, end, per_work, which, d, n), alone))
         start = end
     return out
