@@ -29,7 +29,7 @@ from typing import Literal
 
 from csbp.simulator.layout import mask
 from csbp.simulator.plan.plan import Plan
-from csbp.simulator.layout.spans import Span, block_spans_each, intersect, normalize, size, subtract
+from csbp.simulator.layout.spans import Span, block_spans_each, intersect, join_apart, normalize, size, subtract
 from csbp.simulator.workload.spec import AttentionSpec
 from csbp.simulator.workload.objectives import replicates_clean_under_bp
 from csbp.simulator.workload.workload import Workload
@@ -98,10 +98,13 @@ class RankShare:
 def zigzag(length: int, parts: int, rank: int, offset: int = 0) -> tuple[Span, ...]:
     """Head-tail split of `length` into 2*parts chunks; rank r owns chunks r and 2*parts-1-r."""
     chunk = length // (2 * parts)
-    first = (offset + rank * chunk, offset + (rank + 1) * chunk)
-    last_idx = 2 * parts - 1 - rank
-    second = (offset + last_idx * chunk, offset + (last_idx + 1) * chunk)
-    return normalize([first, second])
+    if chunk <= 0:
+        return ()
+    last_idx = 2 * parts - 1 - rank  # > rank: the two chunks in order, touching at the middle
+    if last_idx == rank + 1:  # normalised: one span
+        return ((offset + rank * chunk, offset + (last_idx + 1) * chunk),)
+    return ((offset + rank * chunk, offset + (rank + 1) * chunk),
+            (offset + last_idx * chunk, offset + (last_idx + 1) * chunk))
 
 
 def assign_blocks(n_blocks: int, n_ranks: int, schedule: str) -> tuple[tuple[int, ...], ...]:
@@ -203,10 +206,10 @@ class Layout:
         for r, noisy in enumerate(block_spans_each(blocks, self.block)):
             if kind == "bp":  # the clean prefix its blocks read, replicated on every rank
                 clean = ((L, L + max(blocks[r]) * self.block),)
-                shares.append(RankShare(r, normalize(noisy + clean), clean, blocks[r], 0))
+                shares.append(RankShare(r, join_apart(noisy, normalize(clean)), clean, blocks[r], 0))
             else:  # csbp: clean zigzag shard of its cp sub-group, noisy K/V stay home
                 clean = zigzag(L, p.cp, r % p.cp, offset=L)
-                shares.append(RankShare(r, normalize(noisy + clean), clean, blocks[r], r // p.cp))
+                shares.append(RankShare(r, join_apart(noisy, clean), clean, blocks[r], r // p.cp))
         return tuple(shares)
 
     def cp_groups(self) -> tuple[tuple[int, ...], ...]:

@@ -50,6 +50,19 @@ def _normalize(spans: Iterable[Span]) -> tuple[Span, ...]:
     return tuple(out)
 
 
+def join_apart(low: tuple[Span, ...], high: tuple[Span, ...]) -> tuple[Span, ...]:
+    """`normalize(low + high)` for normalised `low` ending at or before where normalised `high`
+    starts (a share's noisy blocks below L, its clean rows from L): the two joined, merged
+    where they touch, without sorting a rank's thousands of spans again."""
+    if not low or not high:
+        return low or high
+    if low[-1][1] < high[0][0]:
+        return low + high
+    if low[-1][1] == high[0][0]:
+        return low[:-1] + ((low[-1][0], high[0][1]),) + high[1:]
+    return normalize(low + high)  # they overlap after all: the general case
+
+
 def intersect(a: Iterable[Span], b: Iterable[Span]) -> tuple[Span, ...]:
     """The positions in both. Each span of the shorter list takes the run of the longer one's
     spans it overlaps by bisection, clipped at its ends: a share's hundreds of spans against
