@@ -102,8 +102,8 @@ def run(graph: StepGraph, d: np.ndarray, overlap: bool, queue_comm: bool,
     zero = np.zeros(n)
     maximum = np.maximum
     # one row per op, written once: a layer timed as an earlier one shifted is one block write,
-    # and the rows need no joining at the end
-    start, finish = np.empty(d.shape), np.empty(d.shape)
+    # and the rows need no joining at the end (NaN until written: an op the walk missed shows)
+    start, finish = np.full(d.shape, np.nan), np.full(d.shape, np.nan)
     compute_free = comm_free = comm_until = zero
     io_free = {}
     if stretch is not None and (not overlap or not (stretch > 1).any()):
