@@ -249,9 +249,8 @@ def instance_steps(graph: StepGraph, inst: "_Instance", overlap: bool, queue_com
         made = graph._arrays.setdefault(("template-steps", overlap, queue_comm, stretched), {})
         base = made.get(inst.template)
         if base is None:
-            walk = made[inst.template] = (inst.first, _segment(graph, inst.first, inst.end, overlap,
-                                                                queue_comm, stretched))
-            walk = walk[1]
+            walk = _segment(graph, inst.first, inst.end, overlap, queue_comm, stretched)
+            made[inst.template] = (inst.first, walk)
         else:
             first, steps = base
             by, ops = inst.first - first, graph.ops
@@ -370,7 +369,7 @@ class _Repeats:
         self.misses: dict[int, int] = {}  # per template, instances walked before any match
         self.matched: set[int] = set()  # templates with a match
 
-    def entry(self, inst: _Instance, finish: list, state: tuple) -> np.ndarray:
+    def entry(self, inst: _Instance, finish: np.ndarray, state: tuple) -> np.ndarray:
         """The entry's rows end to end (one array: a layer of a dozen ops is worth shifting only
         if comparing its entry costs a few array operations)."""
         compute_free, comm_free, comm_until = state
@@ -395,11 +394,12 @@ class _Repeats:
             key = self.prices[inst.first] = self.d[inst.first:inst.end].tobytes()
         return key
 
-    def enter(self, inst: _Instance, finish: list, state: tuple):
+    def enter(self, inst: _Instance, finish: np.ndarray, state: tuple):
         """(an earlier instance's start rows and finish rows, the shift its own are those plus
-        (one time, or one per rank), the streams' state after it), or None: walk it (its entry is kept for `leave`). A few ranks' entry is
-        compared on Python floats, where numpy's reductions cost more than the arithmetic (the
-        same IEEE differences, maxima and minima either way)."""
+        (one time, or one per rank), the streams' state after it), or None: walk it (its entry is
+        kept for `leave`). A few ranks' entry is compared on Python floats, where numpy's
+        reductions cost more than the arithmetic (the same IEEE differences, maxima and minima
+        either way)."""
         template = inst.template
         if template not in self.matched and self.misses.get(template, 0) >= self.GIVE_UP:
             return None  # walked, and not kept (`leave` finds no entry)
@@ -443,7 +443,7 @@ class _Repeats:
             self.misses[template] = self.misses.get(template, 0) + 1
         return None
 
-    def leave(self, inst: _Instance, start: list, finish: list, state: tuple) -> None:
+    def leave(self, inst: _Instance, start: np.ndarray, finish: np.ndarray, state: tuple) -> None:
         entry = self.pending.pop(inst.first, None)
         if entry is None:
             return
@@ -474,7 +474,8 @@ def streams(graph: StepGraph) -> list[str]:
     return graph._arrays["streams"]
 
 
-def _back_to_back(chain: np.ndarray, begin: np.ndarray, d: np.ndarray, start: list, finish: list) -> np.ndarray:
+def _back_to_back(chain: np.ndarray, begin: np.ndarray, d: np.ndarray, start: np.ndarray,
+                  finish: np.ndarray) -> np.ndarray:
     """Times of ops that run one after another from `begin`, op after op (one addition each);
     returns when the last one ends."""
     for j in chain.tolist():

@@ -175,7 +175,7 @@ def segment_durations(graph: StepGraph, d: np.ndarray) -> tuple[list[tuple], dic
     segment, members = None, []
     for op, stream in zip(graph.ops, streams(graph)):
         if stream in IO_STREAMS:  # a background reader beside the step: its own bound (reason 6)
-            readers[op.stream] = readers.get(op.stream, 0.0) + d[op.index]
+            readers[stream] = readers.get(stream, 0.0) + d[op.index]
             continue
         if (op.layer, op.phase) != segment:
             lasts = _alone(members, d, graph.ranks)
