@@ -171,7 +171,7 @@ def answer(args: argparse.Namespace, announce=None) -> Planned:
     # the other implementation's baseline search needs nothing from this one: it runs beside it
     with baselines_ahead(inputs.model, inputs.workload, profile, args.nodes, args.engine, **searched) as ahead:
         found = search(inputs.model, inputs.workload, profile, args.nodes, engine=args.engine,
-                       keep=args.top, prune_placements=not args.sensitivity, **searched)
+                       keep=args.top, prune_placements=not args.sensitivity, checks=ahead.checks, **searched)
         return _answered(args, searched, inputs, yours, profile, what_if, found, ahead)
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import product
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 from csbp.simulator.plan import rules as plan_rules
 from csbp.simulator.planner.collector import collection_paused
@@ -41,6 +41,9 @@ from csbp.simulator.engine.simulate import simulate
 from csbp.simulator.workload.spec import ModelSpec
 from csbp.simulator.planner.workers import Workers, available_cores  # noqa: F401 (re-exported)
 from csbp.simulator.workload.workload import Checkpointing, Workload
+
+if TYPE_CHECKING:
+    from csbp.simulator.planner.shared_checks import SharedChecks
 
 FAMILIES = ("dp", "cp", "bp", "csbp")  # how plots and tables group plans (single GPU counts as dp)
 DES_TOP = 6  # best screened candidates re-simulated with the event engine ...
@@ -300,6 +303,10 @@ def memory_misfit(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -
     return candidate_memory(model, cand, profile).reason
 
 
+def _misfit_reason(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -> str:
+    return candidate_memory(model, cand, profile).reason or ""
+
+
 def candidate_memory(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -> MemoryEstimate:
     """The memory model's estimate for a candidate (`memory_misfit` reads why it does not fit)."""
     layout = Layout.build(as_executed(cand.workload, model), cand.plan)
@@ -342,7 +349,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
            axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None,
            keep: int | None = None, baseline_only: bool = False, prune_placements: bool = True,
-           misfits: bool = True) -> Search:
+           misfits: bool = True, checks: "SharedChecks | None" = None) -> Search:
     """Drop what does not fit, screen the rest with the closed form, re-score the best with
     `engine`, rank.
 
@@ -368,34 +375,49 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     `infeasible` then lists only those found not to fit and `feasible` counts the unchecked ones
     too. Where nothing fits, every candidate is checked first, in order, so the InputError says
     what the full search says.
+
+    `checks` (with `keep`, for the full report): memory checks shared with a helper process
+    (`shared_checks`, made by `shared_checks.for_search` with these inputs, space included): the
+    screen reads fits lazily as for `misfits=False`, and the rest are checked with the helper
+    after it, so the report is the one of a search without it.
     """
     start = time.perf_counter()
     gpus = cluster_gpus(profile, nodes)
+    if checks is not None and (keep is None or baseline_only or not misfits or not checks.matches(
+            model, workload, profile, gpus, checkpointing, axes)):
+        if checks is not None:
+            checks.abandon()
+        checks = None  # made for other inputs, or for a search that reads no misfits anyway
     with collection_paused():
-        space = enumerate_space(model, workload, gpus, checkpointing, axes,
-                                implementation=profile.implementation)
+        space = checks.space if checks is not None else enumerate_space(
+            model, workload, gpus, checkpointing, axes, implementation=profile.implementation)
         with Workers(workers) as pool:
             found = _search(model, workload, profile, nodes, space, engine, des_top, keep, pool,
                             baseline_only and keep is not None, prune_placements,
-                            lazy=keep is not None and (baseline_only or not misfits))
+                            lazy=keep is not None and (baseline_only or not misfits or checks is not None),
+                            checks=checks)
     found.seconds = time.perf_counter() - start
     return found
 
 
 def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, space: Space,
             engine: str, des_top: int, keep: int | None, pool: Workers,
-            baseline_only: bool = False, prune_placements: bool = True, lazy: bool = False) -> Search:
+            baseline_only: bool = False, prune_placements: bool = True, lazy: bool = False,
+            checks: "SharedChecks | None" = None) -> Search:
     counts = {"floor": 0, "quick": 0, "tight": 0}
     by_rule = {k: replace(g, plans=list(g.plans)) for k, g in space.rejected.items()}  # before memory
     ran_out: list[tuple[str, str]] = []  # simulated and found infeasible, in order
 
     misfits: set[int] = set()
+    index = {id(c): i for i, c in enumerate(space.candidates)} if checks is not None else {}
 
     def fits(cand: Candidate) -> bool:
         memory = candidate_memory(model, cand, profile)
         if not memory.feasible:
             space.reject_memory(cand.label, lambda: memory.reason)
             misfits.add(id(cand))
+        if checks is not None:
+            checks.record(index[id(cand)], memory.feasible)
         return memory.feasible
 
     # the baseline alone (`method_vs_implementation`) or a map's cell (`misfits=False`) reads no
@@ -442,7 +464,20 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         evaluations += len(picks) + len(variants)
         picked = set(picks)
         ranked = rescored + [r for i, (_, r) in enumerate(screened) if i not in picked]
-    if lazy and (not ranked or (ranked[0].engine != engine and not baseline_only)):
+    if checks is not None and ranked and ranked[0].engine == engine:
+        # the full report: every candidate's fit, checked with the helper, then the rejections
+        # in the order a search checking memory first makes them (memory, then simulations)
+        ok = checks.finish(lambda i: candidate_memory(model, space.candidates[i], profile).feasible)
+        space.rejected = by_rule
+        for cand, fit in zip(space.candidates, ok):
+            if not fit:
+                space.reject_memory(cand.label, partial(_misfit_reason, model, cand, profile))
+        for label, reason in ran_out:
+            space.reject(label, reason, rule=False)
+        fitting = [c for c, fit in zip(space.candidates, ok) if fit]
+    elif lazy and (not ranked or (ranked[0].engine != engine and not baseline_only)):
+        if checks is not None:
+            checks.abandon()
         # nothing to rank: say why as the full search does (memory checked for all, in order,
         # then the simulations that found a plan infeasible: the same ones, screened alike)
         space.rejected = by_rule
