@@ -170,12 +170,13 @@ def speedup_by_implementation(found: Search, ahead: BaselinesAhead | None = None
             out[name] = found.speedup
             continue
         profile = found.profile.model_copy(update={"implementation": name})
+        # the recommendation first, while the child may still be searching
+        mine = simulate(found.model, Workload(**rec.workload), plan_of(rec), profile, found.nodes,
+                        engine=found.engine, with_trace=False)
         done, base = ahead.baseline(name, found.model, found.workload, found.profile, found.nodes,
                                     found.engine) if ahead else (False, None)
         if not done:
             base = _baseline(found.model, found.workload, profile, found.nodes, found.engine, **searched)
-        mine = simulate(found.model, Workload(**rec.workload), plan_of(rec), profile, found.nodes,
-                        engine=found.engine, with_trace=False)
         out[name] = (mine.tokens_per_s / base.tokens_per_s
                      if base is not None and mine.tokens_per_s and base.tokens_per_s else None)
     return out
