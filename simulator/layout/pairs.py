@@ -434,14 +434,14 @@ def totals(layout: Layout, window: int | None = None) -> np.ndarray:
     rank's pairs are its positions in each block times that block's count: one pass over every
     rank's spans cut at block edges.
     """
-    if window is not None:  # each query's count depends on its position only: sum a prefix
-        below = _window_prefix(layout.seq_len, layout.block, window)
-        return np.array([sum(int(below[e] - below[s]) for s, e in share.positions)
-                         for share in layout.shares], dtype=np.int64)
     L, b = layout.seq_len, layout.block
     rank, lo, hi = flat_spans([share.positions for share in layout.shares])
     out = np.zeros(layout.size, dtype=np.int64)
     if not rank.size:
+        return out
+    if window is not None:  # each query's count depends on its position only: sum a prefix
+        below = _window_prefix(L, b, window)
+        np.add.at(out, rank, below[hi] - below[lo])  # integers: the same sums in any order
         return out
     first, last = lo // b, (hi - 1) // b
     pieces = last - first + 1
