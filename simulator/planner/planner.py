@@ -303,10 +303,6 @@ def memory_misfit(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -
     return candidate_memory(model, cand, profile).reason
 
 
-def _misfit_reason(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -> str:
-    return candidate_memory(model, cand, profile).reason or ""
-
-
 def candidate_memory(model: ModelSpec, cand: Candidate, profile: HardwareProfile) -> MemoryEstimate:
     """The memory model's estimate for a candidate (`memory_misfit` reads why it does not fit)."""
     layout = Layout.build(as_executed(cand.workload, model), cand.plan)
@@ -385,9 +381,8 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
     gpus = cluster_gpus(profile, nodes)
     if checks is not None and (keep is None or baseline_only or not misfits or not checks.matches(
             model, workload, profile, gpus, checkpointing, axes)):
-        if checks is not None:
-            checks.abandon()
-        checks = None  # made for other inputs, or for a search that reads no misfits anyway
+        checks.abandon()  # made for other inputs, or for a search that reads no misfits anyway
+        checks = None
     with collection_paused():
         space = checks.space if checks is not None else enumerate_space(
             model, workload, gpus, checkpointing, axes, implementation=profile.implementation)
@@ -471,7 +466,7 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         space.rejected = by_rule
         for cand, fit in zip(space.candidates, ok):
             if not fit:
-                space.reject_memory(cand.label, partial(_misfit_reason, model, cand, profile))
+                space.reject_memory(cand.label, partial(memory_misfit, model, cand, profile))
         for label, reason in ran_out:
             space.reject(label, reason, rule=False)
         fitting = [c for c, fit in zip(space.candidates, ok) if fit]

@@ -6,7 +6,8 @@ alone: DiffusionGemma 256K on 128 GPUs, 1.5-1.8 s of CPU against the main search
 Most of the main search's memory checks decide nothing it ranks: the pruned screen reads a
 candidate's fit only when it takes the candidate up (`search`'s `misfits=False`), and the others
 are checked only to report why they are missing (the "memory" group, the count that fits):
-0.5-0.6 s of that search, where the helper's core is idle. So the main search reads fits lazily,
+0.5-0.6 s of that search, while the helper's core has nothing left to do (not quite free: on the
+2-core host the two cores slow each other by up to a quarter while both run, benchmarks/README). So the main search reads fits lazily,
 the helper checks candidates from the back of the list once its own search is done, the main
 one from the front once its screen is done, and they meet; each writes what it found into one
 shared byte per candidate (the screen's own checks too, so neither repeats them).
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 UNKNOWN, FITS, MISFIT = 0, 1, 2
-CHUNK = 16  # candidates taken at once (~0.3 ms each): a handful of lock round trips per search
+CHUNK = 16  # candidates taken at once (~0.3 ms each): ~100 lock round trips for 1,500 candidates
 
 
 class SharedChecks:
