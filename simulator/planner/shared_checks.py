@@ -7,10 +7,11 @@ Most of the main search's memory checks decide nothing it ranks: the pruned scre
 candidate's fit only when it takes the candidate up (`search`'s `misfits=False`), and the others
 are checked only to report why they are missing (the "memory" group, the count that fits):
 0.5-0.6 s of that search, while the helper's core has nothing left to do (not quite free: on the
-2-core host the two cores slow each other by up to a quarter while both run, benchmarks/README). So the main search reads fits lazily,
-the helper checks candidates from the back of the list once its own search is done, the main
-one from the front once its screen is done, and they meet; each writes what it found into one
-shared byte per candidate (the screen's own checks too, so neither repeats them).
+2-core host the two cores slow each other by up to a quarter while both run, benchmarks/README).
+So the main search reads fits lazily, the helper checks candidates from the back of the list
+once its own search is done, the main one from the front once its screen is done, and they
+meet; each writes what it found into one shared byte per candidate (the screen's own checks
+too, so neither repeats them).
 
 Both processes run the same `candidate_memory` on the same objects (forked: the same code on the
 same CPU, so the same floats), so the report equals the one-process search's. Where the helper
