@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from csbp.simulator.planner import planner
-from csbp.simulator.planner.shared_checks import FITS, MISFIT, SharedChecks, for_search, helper_fits
+from csbp.simulator.planner.shared_checks import FITS, MISFIT, SharedChecks, for_search, fits_of
 from csbp.simulator.system.hardware import load_profile
 from csbp.simulator.workload.presets import load_model
 from csbp.simulator.workload.workload import Workload
@@ -36,7 +36,7 @@ def _report(found: planner.Search) -> dict:
 
 
 def _help_then_exit(checks: SharedChecks, stop_after: int | None) -> None:
-    fits = helper_fits(checks)
+    fits = fits_of(checks)
     done = [0]
 
     def counted(i: int) -> bool:

@@ -26,7 +26,7 @@ import os
 
 from csbp.simulator.errors import InputError
 from csbp.simulator.planner.planner import Search, plan_of, search
-from csbp.simulator.planner.shared_checks import SharedChecks, for_search, helper_fits
+from csbp.simulator.planner.shared_checks import SharedChecks, for_search, fits_of
 from csbp.simulator.planner.workers import Workers, available_cores
 from csbp.simulator.engine.simulate import simulate
 from csbp.simulator.report.result import Result
@@ -148,7 +148,7 @@ def _child(send, model, workload, profile, nodes, engine, searched, checks: Shar
     send.close()
     if checks is not None:  # then the main search's memory checks, from the back (`shared_checks`)
         try:
-            checks.help(helper_fits(checks))
+            checks.help(fits_of(checks))
         except Exception:  # noqa: BLE001 (the main search checks what is left, and says what fails)
             pass
 

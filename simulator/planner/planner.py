@@ -24,12 +24,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import product
-from typing import TYPE_CHECKING, get_args
+from typing import get_args
 
 from csbp.simulator.plan import rules as plan_rules
 from csbp.simulator.planner.collector import collection_paused
 from csbp.simulator.planner.bounds import bound_key, keys_at_home_is_cheapest, lower_bounds, ring_chains
 from csbp.simulator.planner.floor import floor_bounds
+from csbp.simulator.planner.shared_checks import SharedChecks, fits_of
 from csbp.simulator.errors import InputError
 from csbp.simulator.system.hardware import HardwareProfile
 from csbp.simulator.workload.objectives import as_executed
@@ -41,9 +42,6 @@ from csbp.simulator.engine.simulate import simulate
 from csbp.simulator.workload.spec import ModelSpec
 from csbp.simulator.planner.workers import Workers, available_cores  # noqa: F401 (re-exported)
 from csbp.simulator.workload.workload import Checkpointing, Workload
-
-if TYPE_CHECKING:
-    from csbp.simulator.planner.shared_checks import SharedChecks
 
 FAMILIES = ("dp", "cp", "bp", "csbp")  # how plots and tables group plans (single GPU counts as dp)
 DES_TOP = 6  # best screened candidates re-simulated with the event engine ...
@@ -345,7 +343,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
            engine: str = "des", checkpointing: tuple[str, ...] = get_args(Checkpointing),
            axes: tuple[str, ...] = AXES, des_top: int = DES_TOP, workers: int | None = None,
            keep: int | None = None, baseline_only: bool = False, prune_placements: bool = True,
-           misfits: bool = True, checks: "SharedChecks | None" = None) -> Search:
+           misfits: bool = True, checks: SharedChecks | None = None) -> Search:
     """Drop what does not fit, screen the rest with the closed form, re-score the best with
     `engine`, rank.
 
@@ -398,7 +396,7 @@ def search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes
 def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, nodes: int, space: Space,
             engine: str, des_top: int, keep: int | None, pool: Workers,
             baseline_only: bool = False, prune_placements: bool = True, lazy: bool = False,
-            checks: "SharedChecks | None" = None) -> Search:
+            checks: SharedChecks | None = None) -> Search:
     counts = {"floor": 0, "quick": 0, "tight": 0}
     by_rule = {k: replace(g, plans=list(g.plans)) for k, g in space.rejected.items()}  # before memory
     ran_out: list[tuple[str, str]] = []  # simulated and found infeasible, in order
@@ -462,7 +460,7 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
     if checks is not None and ranked and ranked[0].engine == engine:
         # the full report: every candidate's fit, checked with the helper, then the rejections
         # in the order a search checking memory first makes them (memory, then simulations)
-        ok = checks.finish(lambda i: candidate_memory(model, space.candidates[i], profile).feasible)
+        ok = checks.finish(fits_of(checks))  # `space` is `checks.space`
         space.rejected = by_rule
         for cand, fit in zip(space.candidates, ok):
             if not fit:

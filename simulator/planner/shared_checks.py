@@ -91,9 +91,8 @@ class SharedChecks:
             if self.helper is not None and self.helper.is_alive():
                 time.sleep(0.0005)  # its chunk in hand: a few milliseconds at most
                 continue
-            for i in left:  # the helper died mid-chunk: those are checked here
-                if state[i] == UNKNOWN:
-                    state[i] = FITS if fits(int(i)) else MISFIT
+            for i in left.tolist():  # the helper died mid-chunk: those are checked here
+                state[i] = FITS if fits(i) else MISFIT
         return (state == FITS).tolist()
 
 
@@ -114,8 +113,8 @@ def for_search(ctx, model, workload, profile, nodes: int, checkpointing: tuple[s
     return SharedChecks(ctx, space, (model, workload, profile, gpus, checkpointing, axes))
 
 
-def helper_fits(checks: SharedChecks) -> Callable[[int], bool]:
-    """What the helper checks: the fit of the search's candidate i under the search's profile."""
+def fits_of(checks: SharedChecks) -> Callable[[int], bool]:
+    """What either side checks: the fit of the search's candidate i under the search's profile."""
     from csbp.simulator.planner.planner import candidate_memory
 
     model, _, profile = checks.key[:3]
