@@ -506,7 +506,10 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     tokens/s cap (tokens per step over a lower bound on its step time, so at least its real
     tokens/s) reaches what the last of them in one of its groups has so far (as a screened
     candidate can only push that last one out, an unscreened one below it can never enter).
-    Candidates are taken best cap first, each climbing a ladder of bounds while it still
+    Candidates are taken best cap first (those of a group with no bar yet before the others:
+    the order only decides how much is computed, never what is reported, and a family's or the
+    baseline's picks, once scored, shorten how deep the overall bar reaches, so filling those
+    groups first raises it sooner), each climbing a ladder of bounds while it still
     matters: its compute floor (`floor.py`, no graph: every candidate starts there), with EP its
     floor with the all-to-all waits, the quick bound (one graph per bound key, keys at home),
     for a long ring its hops' chains (no graph), the tighter one (its own K/V calls and
@@ -581,15 +584,17 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     scored: list[tuple[int, Candidate, Result]] = []
 
     def best(floors: dict[str, float]) -> int | None:
-        """The candidate with the best cap known now among those that still matter."""
+        """The candidate with the best cap known now among those that still matter, one of a
+        group without a bar first (every member matters there until it has its picks)."""
         found = None
         for groups, heap in heaps.items():
             while heap and (heap[0][1] in done or heap[0][1] in dropped or -heap[0][0] != cap[heap[0][1]]):
                 heapq.heappop(heap)  # simulated, or its cap has been tightened since
             if heap and -heap[0][0] >= min(floors.get(g, 0.0) for g in groups) * (1 - PRUNE_TOLERANCE):
-                if found is None or (-heap[0][0], -heap[0][1]) > (cap[found], -found):
-                    found = heap[0][1]
-        return found
+                rank = (any(g not in floors for g in groups), -heap[0][0], -heap[0][1])
+                if found is None or rank > found:
+                    found = rank
+        return None if found is None else -found[2]
 
     # a ring inside a node whose collective twin scored above the bar it must reach is
     # simulated without its tight bound: twins move the same K/V and score within a few percent
