@@ -164,6 +164,10 @@ def test_calls_counted_at_once_equal_the_calls_one_by_one():
             k = rng.choice([((0, 2 * L),), _random_spans(rng, 2 * L, rng.randint(1, 12)), ((L, 2 * L),), q, ()])
             calls.append((tuple(reversed(q)) if rng.random() < 0.1 else q, k))
         assert tile_counts_each(calls, L, b, w, qr, kt) == [tile_counts(q, k, L, b, w, qr, kt) for q, k in calls]
+        # every call's keys one span (counted by arithmetic per call, `_OneSpanEach`)
+        spans = [(0, 2 * L), (L, 2 * L), (0, L)] + [s for s in _random_spans(rng, 2 * L, 3)]
+        calls = [(q, (rng.choice(spans),)) for q, _ in calls]
+        assert tile_counts_each(calls, L, b, w, qr, kt) == [tile_counts(q, k, L, b, w, qr, kt) for q, k in calls]
     by_params: dict[tuple, list] = {}
     for case in _layout_cases(random.Random(30), 300):
         by_params.setdefault(case[2:], []).append(case[:2])

@@ -46,7 +46,7 @@ import functools
 import numpy as np
 
 from csbp.simulator.layout import mask
-from csbp.simulator.layout.spans import Span, normalize
+from csbp.simulator.layout.spans import Span, flat_spans, normalize
 
 
 def tile_counts(queries: tuple[Span, ...], keys: tuple[Span, ...], seq_len: int, block: int,
@@ -101,68 +101,67 @@ def tile_counts_each(calls: list[tuple[tuple[Span, ...], tuple[Span, ...]]], seq
     key tile past 2L, so no tile straddles two calls), which leaves every interval's count the
     same. A step graph counts one call per rank of its group (issue 25: per-call array overhead
     was most of the cost). The same integers as `tile_counts` call by call (tests/test_tiles.py)."""
-    out: list[tuple[int, int] | None] = [None] * len(calls)
-    keys_of: list[tuple[Span, ...]] = []
-    sides: dict[bool, list[tuple[int, np.ndarray, np.ndarray]]] = {True: [], False: []}
-    for j, (queries, keys) in enumerate(calls):
-        keys = normalize(keys) if keys else ()
-        keys_of.append(keys)
-        if not keys:
-            out[j] = (0, 0)
-            continue
-        q = np.array(queries, dtype=np.int64).reshape(-1, 2)
-        mine = []
-        for noisy, (lo, hi) in ((True, (0, seq_len)), (False, (seq_len, 2 * seq_len))):
-            starts, stops = np.maximum(q[:, 0], lo), np.minimum(q[:, 1], hi)
-            keep = stops > starts
-            starts, stops = starts[keep], stops[keep]
-            if starts.size and (starts[1:] < stops[:-1]).any():  # out of order: call by call
-                mine = None
-                break
-            if starts.size:
-                mine.append((noisy, starts, stops))
-        if mine is None or sum(int((e - a).sum()) for _, a, e in mine) > _ALONE * q_rows:
-            # out of order, or large enough that array work, not call overhead, is its cost: alone
-            # (where one-span keys are counted by arithmetic, `_OneSpan`)
-            out[j] = _tile_counts(tuple(queries), tuple(calls[j][1]), seq_len, block, window, q_rows, k_tile)
-            continue
-        out[j] = (0, 0)
-        for noisy, starts, stops in mine:
-            sides[noisy].append((j, starts, stops))
-    if not any(sides.values()):
+    n = len(calls)
+    out: list[tuple[int, int] | None] = [(0, 0)] * n
+    keys_of = [normalize(keys) if keys else () for _, keys in calls]
+    has_keys = np.array([bool(k) for k in keys_of], dtype=bool)
+    # every call's query spans at once, cut into the two sides (noisy [0, L), clean [L, 2L))
+    call, qa, qz = flat_spans([q for q, _ in calls])
+    sides, size, unordered = [], np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+    for noisy, (lo, hi) in ((True, (0, seq_len)), (False, (seq_len, 2 * seq_len))):
+        starts, stops = np.maximum(qa, lo), np.minimum(qz, hi)
+        keep = stops > starts
+        c, starts, stops = call[keep], starts[keep], stops[keep]
+        # out of order or overlapping inside one call: counted call by call
+        unordered[c[1:][(c[1:] == c[:-1]) & (starts[1:] < stops[:-1])]] = True
+        np.add.at(size, c, stops - starts)
+        sides.append((noisy, c, starts, stops))
+    # out of order, or large enough that array work, not call overhead, is its cost: alone
+    # (where one-span keys are counted by arithmetic, `_OneSpan`)
+    alone = has_keys & (unordered | (size > _ALONE * q_rows))
+    for j in np.flatnonzero(alone).tolist():
+        out[j] = _tile_counts(tuple(calls[j][0]), tuple(calls[j][1]), seq_len, block, window, q_rows, k_tile)
+    counted = has_keys & ~alone & (size > 0)
+    if not counted.any():
         return out
     step = -(-2 * seq_len // k_tile) * k_tile  # each call's own stretch of key positions
-    used = sorted({j for items in sides.values() for j, _, _ in items})
-    spans = [(a + j * step, z + j * step) for j in used for a, z in keys_of[j]]
-    counter = _SpanTiles(np.array([a for a, _ in spans], dtype=np.int64),
-                         np.array([z for _, z in spans], dtype=np.int64), k_tile)
-    touched = np.zeros(len(calls), dtype=np.int64)
-    full = np.zeros(len(calls), dtype=np.int64)
-    for noisy, items in sides.items():
-        if items:
-            _sides_at_once(items, noisy, counter, step, seq_len, block, window, q_rows, touched, full)
-    for j in used:
-        out[j] = (int(full[j]), int(touched[j] - full[j]))
+    used = np.flatnonzero(counted)
+    k_call, ka, kz = flat_spans([keys_of[j] for j in used.tolist()])
+    shift = used[k_call] * step
+    if ka.size == used.size:  # one key span per call (a call over every key, or the clean prefix)
+        counter = _OneSpanEach(np.zeros(n, np.int64), np.zeros(n, np.int64), k_tile)
+        counter.k0[used], counter.k1[used] = ka + shift, kz + shift
+    else:
+        counter = _SpanTiles(ka + shift, kz + shift, k_tile)
+    touched = np.zeros(n, dtype=np.int64)
+    full = np.zeros(n, dtype=np.int64)
+    for noisy, c, starts, stops in sides:
+        mine = counted[c]
+        if mine.any():
+            _sides_at_once(c[mine], starts[mine], stops[mine], noisy, counter, step, seq_len, block, window,
+                           q_rows, touched, full)
+    for j, f, t in zip(used.tolist(), full[used].tolist(), touched[used].tolist()):
+        out[j] = (f, t - f)
     return out
 
 
-def _sides_at_once(items: list[tuple[int, np.ndarray, np.ndarray]], noisy: bool, counter: "_SpanTiles",
-                   step: int, seq_len: int, block: int, window: int | None, q_rows: int,
-                   touched: np.ndarray, full: np.ndarray) -> None:
-    """`_side` for one side of several calls at once, adding each call's (touched, full) into
-    `touched[j]`, `full[j]`. Buffer indices run on across calls (a tile never spans two: each
-    call's tiles start at its own first query), and positions searched against the prefix
-    pieces carry the call's offset, so no search crosses into another call's pieces."""
-    which = np.array([j for j, _, _ in items], dtype=np.int64)
-    starts = np.concatenate([s for _, s, _ in items])
-    stops = np.concatenate([e for _, _, e in items])
-    span_call = np.repeat(np.arange(len(items)), [s.size for _, s, _ in items])
+def _sides_at_once(span_of: np.ndarray, starts: np.ndarray, stops: np.ndarray, noisy: bool,
+                   counter: "_SpanTiles", step: int, seq_len: int, block: int, window: int | None,
+                   q_rows: int, touched: np.ndarray, full: np.ndarray) -> None:
+    """`_side` for one side of several calls at once (`span_of`: each span's call, ascending),
+    adding each call's (touched, full) into `touched[j]`, `full[j]`. Buffer indices run on
+    across calls (a tile never spans two: each call's tiles start at its own first query), and
+    positions searched against the prefix pieces carry the call's offset, so no search crosses
+    into another call's pieces."""
+    new = np.concatenate(([True], span_of[1:] != span_of[:-1]))
+    which = span_of[new]  # the calls, in order
+    span_call = np.cumsum(new) - 1  # each span's call among them
     lens = stops - starts
     cum = np.concatenate(([0], np.cumsum(lens)))  # buffer index of each span's start
-    n = np.bincount(span_call, weights=lens, minlength=len(items)).astype(np.int64)
+    n = np.bincount(span_call, weights=lens, minlength=which.size).astype(np.int64)
     base = np.concatenate(([0], np.cumsum(n)[:-1]))
     m = -(-n // q_rows)  # query tiles per call
-    tile_call = np.repeat(np.arange(len(items)), m)
+    tile_call = np.repeat(np.arange(which.size), m)
     first_i = base[tile_call] + (np.arange(int(m.sum()), dtype=np.int64)
                                  - np.repeat(np.cumsum(m) - m, m)) * q_rows
     last_i = np.minimum(first_i + q_rows, (base + n)[tile_call]) - 1
@@ -192,11 +191,11 @@ def _sides_at_once(items: list[tuple[int, np.ndarray, np.ndarray]], noisy: bool,
         labels = np.concatenate([tile_call, tile_call])
     every_a = np.concatenate([own_a[t:2 * t], pre_a[t:2 * t]]) + np.concatenate([shift, shift])
     every_z = np.concatenate([own_z[:t], pre_z[:t]]) + np.concatenate([shift, shift])
-    np.add.at(touched, which, np.bincount(labels, weights=counter.touched(some_a, some_z),
-                                          minlength=len(items)).astype(np.int64))
-    np.add.at(full, which, np.bincount(np.concatenate([tile_call, tile_call]),
-                                       weights=counter.full(every_a, every_z),
-                                       minlength=len(items)).astype(np.int64))
+    every = np.concatenate([tile_call, tile_call])
+    np.add.at(touched, which, np.bincount(labels, weights=counter.at(which[labels]).touched(some_a, some_z),
+                                          minlength=which.size).astype(np.int64))
+    np.add.at(full, which, np.bincount(every, weights=counter.at(which[every]).full(every_a, every_z),
+                                       minlength=which.size).astype(np.int64))
 
 
 def _positions(starts: np.ndarray, cum: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -268,6 +267,10 @@ class _SpanTiles(_KeyCounts):
         keep = f1 > f0
         self.all = _Runs(f0[keep], f1[keep])
 
+    def at(self, calls: np.ndarray) -> "_SpanTiles":
+        """The counter for intervals of these calls (`_OneSpanEach.at`): every call's keys here."""
+        return self
+
     def any_below(self, k: np.ndarray) -> np.ndarray:
         return self.any.below(k)
 
@@ -317,6 +320,19 @@ class _OneSpan:
     def full(self, a: np.ndarray, z: np.ndarray) -> np.ndarray:
         a, z, t = np.maximum(a, self.k0), np.minimum(z, self.k1), self.tile
         return np.maximum(z // t - -(-a // t), 0)
+
+
+class _OneSpanEach:
+    """`_SpanTiles` for calls laid side by side whose keys are one span each (`k0[j]`, `k1[j]`
+    for call j, at its offset): `_OneSpan`'s arithmetic per interval with its call's span, in
+    place of a search over every call's spans."""
+
+    def __init__(self, k0: np.ndarray, k1: np.ndarray, tile: int) -> None:
+        self.k0, self.k1, self.tile = k0, k1, tile
+
+    def at(self, calls: np.ndarray) -> _OneSpan:
+        """The counter of intervals that belong to `calls` (one call per interval)."""
+        return _OneSpan((self.k0[calls], self.k1[calls]), self.tile)
 
 
 def _side(starts: np.ndarray, stops: np.ndarray, noisy: bool, counter, seq_len: int,

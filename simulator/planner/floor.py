@@ -196,21 +196,39 @@ def compute_floor(model: ModelSpec, workload: Workload, plan: Plan, profile: Har
     if terms is None:
         return None
     mb = float(batch_rows(workload, model).micro_batch)  # the batch as the builder sees it
-    tp = plan.tp
-    gemm = top_rates(profile)[0]
-    fwd, bwd = layer_terms(terms, layout, mb, tp)
-    positions = kv_rows.held(layout, "positions") * mb
-    rows = positions if obj.clean_loss else kv_rows.held(layout, "noisy") * mb
-    head = 2 * rows * model.hidden * model.vocab / tp / gemm
+    per_stream = bool(obj.canvas_passes) and obj.streams != ("main",) and \
+        load_implementation(profile.implementation).stream_ownership == "per-stream"
+    # what does not depend on the EP degree (only the self-conditioning probability does,
+    # `objectives.objective_shape`), once per layout ownership: DiffusionGemma's candidates that
+    # differ in ep (and dp) share it
+    key = ("floor", mb, plan.tp, obj.clean_loss, bool(obj.canvas_passes), per_stream, bool(obj.soft_embedding))
+    hit = layout.derived.get(key)
+    if hit is None or hit[0] is not terms or hit[1] is not model:
+        hit = layout.derived[key] = (terms, model, _floor_terms(model, profile, terms, layout, mb, plan.tp, obj,
+                                                                per_stream))
+    fwd, bwd, head, canvas = hit[2]
     head_backward = (1.0 if obj.frozen_embeddings else GEMM_BACKWARD) + obj.head_recompute
     none = obj.passes * (fwd + bwd + head * (1 + head_backward))
     if obj.canvas_passes:  # self-conditioning (`ObjectiveOps.canvas_pass`): its expected forward
-        impl = load_implementation(profile.implementation)
-        view = canvas_view(layout, obj.streams != ("main",) and impl.stream_ownership == "per-stream")
-        noisy = kv_rows.held(view, "noisy") * mb  # its LM head's rows, and the soft embedding's
-        heads = 2 * noisy * model.hidden * model.vocab / tp / gemm * (1 + bool(obj.soft_embedding))
-        none = none + obj.canvas_passes * (layer_terms(terms, view, mb, tp)[0] + heads)
+        none = none + obj.canvas_passes * canvas
     return {"none": none, "full": none + obj.passes * fwd}
+
+
+def _floor_terms(model: ModelSpec, profile: HardwareProfile, terms: list[tuple], layout: Layout, mb: float,
+                 tp: int, obj, per_stream: bool) -> tuple:
+    """Per rank, (forward layers, backward layers, the LM head's forward, one self-conditioning
+    forward) seconds of `compute_floor`, at `terms`' rates."""
+    gemm = top_rates(profile)[0]
+    fwd, bwd = layer_terms(terms, layout, mb, tp)
+    rows = kv_rows.held(layout, "positions" if obj.clean_loss else "noisy") * mb
+    head = 2 * rows * model.hidden * model.vocab / tp / gemm
+    canvas = None
+    if obj.canvas_passes:  # over its canvas view: a forward of every layer, its LM head and soft embedding
+        view = canvas_view(layout, per_stream)
+        noisy = kv_rows.held(view, "noisy") * mb
+        heads = 2 * noisy * model.hidden * model.vocab / tp / gemm * (1 + bool(obj.soft_embedding))
+        canvas = layer_terms(terms, view, mb, tp)[0] + heads
+    return fwd, bwd, head, canvas
 
 
 def ep_waits(model: ModelSpec, workload: Workload, plan: Plan, profile: HardwareProfile,
