@@ -357,8 +357,13 @@ class AttentionOps:
         name = split[part][0]
         call = "ring" if name.startswith("attn.ring") else "step" if name.startswith("attn.step") \
             else name.removeprefix("attn.")
-        if self.keys_at_home:  # the bound: the fastest kernel the phase runs, the fewer tiles
-            kernel, pack = "|".join(sorted(set(self.facts(phase).kernels.values()))), "auto"
+        if self.keys_at_home:  # the bound: the fastest kernel the phase runs, the fewer tiles:
+            # packed where the GQA group divides a tile's rows (a tile of 128 query rows then
+            # holds `group` packed ones: touched if any of them is, full only if all are, so
+            # packed never computes more, tile by tile, full or masked), else counted both ways
+            group = max(1, a.n_heads // max(a.n_kv_heads, 1))
+            kernel = "|".join(sorted(set(self.facts(phase).kernels.values())))
+            pack = True if ATTENTION_KERNEL_TILE % group == 0 else "auto"
         else:
             facts = self.facts(phase)
             kernel, pack = facts.kernel(call), facts.packs(call)

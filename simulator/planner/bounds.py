@@ -25,7 +25,9 @@ prunes, without simulating them, candidates whose bound already loses (`planner.
    most as efficiently as the whole, so the parts take at least as long; the whole runs on the
    fastest kernel family the implementation uses in that pass and packs GQA heads into query
    tiles or not, whichever computes fewer tiles (a sub-set of keys never needs fewer tiles than
-   it covers, nor a full tile where the whole has a partial one); the LSE merges and K/V
+   it covers, nor a full tile where the whole has a partial one; where the GQA group divides a
+   tile's rows, packing: an unpacked tile is `group` packed ones, touched if one of them is and
+   full only if all are, so it never costs less than they do); the LSE merges and K/V
    packing it leaves out take time >= 0, and it makes no more kernel calls. On a profile whose
    attention curves fall somewhere, or whose attention is priced as dense (CPU) math, the
    quick bound keeps the real split. Without it the bound has the plan's own calls and K/V
