@@ -603,9 +603,11 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
     # change the answer, so skipping it only costs a simulation where the twins differ
     twin = {(c.plan, c.workload): i for i, c in enumerate(fitting) if c.plan.transport == "collective"}
     tokens_of: dict[int, float] = {}
+    bars: dict[str, float] | None = None  # the groups' bars, found again only once `scored` grows
     while True:
-        scored.sort(key=lambda icr: (rank_key(icr[2]), icr[0]))
-        bars = _floors(scored, keep, des_top, engine, baseline_only)
+        if bars is None:
+            scored.sort(key=lambda icr: (rank_key(icr[2]), icr[0]))
+            bars = _floors(scored, keep, des_top, engine, baseline_only)
         i = best(bars)
         if i is None:
             return [(c, r) for _, c, r in scored], len(done)
@@ -650,6 +652,7 @@ def screen_pruned(model: ModelSpec, fitting: list[Candidate], profile: HardwareP
         done.add(i)
         got = [(i, c, r) for c, r in evaluate([cand])]  # nothing where it turned out infeasible
         scored += got
+        bars = None
         tokens_of[i] = (got[0][2].tokens_per_s or 0.0) if got else 0.0
 
 
