@@ -4,6 +4,9 @@
   search (`method_vs_implementation.baselines_ahead`): the same `search` call on the same
   inputs, so its answer equals the inline one exactly (one function, one input, the same CPU;
   the workers' results are held to the same standard in test_bounds).
+- That child first simulates, under its implementation, the best candidate the main screen
+  has scored so far (`shared_checks.SharedChecks.lead`); where it is the recommendation, the
+  answer takes it instead of simulating it again: the same call on the same inputs.
 - The compute floor takes a drafter's offline-feature reader streams (`floor.reader_floor`):
   the same ops (the builder's `feature_io`) priced by the same function (`cost.seconds`) as the
   step graph's, so the reader sum equals the graph's exactly, and it does not depend on the K/V
@@ -79,6 +82,39 @@ def test_baseline_ahead_raises_the_childs_error_and_ends_what_it_started(monkeyp
     assert not mvi.baselines_ahead(model, workload, profile, 1, "des", workers=1).running
     monkeypatch.setattr(mvi, "core_free", lambda: False)
     assert not mvi.baselines_ahead(model, workload, profile, 1, "des", workers=2).running
+
+
+@pytest.mark.floats
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not FORK, reason="the baseline search runs ahead only where the OS can fork")
+def test_recommendation_presimulated_by_the_child_equals_the_parents(monkeypatch):
+    """Exact: the child's simulation of the main screen's best candidate under `ideal` is the one
+    `speedup_by_implementation` would make for the recommendation (here the same plan)."""
+    import time
+
+    from csbp.simulator.engine.simulate import simulate
+    from csbp.simulator.planner.planner import plan_of, search
+
+    monkeypatch.setattr(mvi, "core_free", lambda: True)
+    model, profile = load_model("nemotron-diffusion-3b"), load_profile("h200")
+    workload = Workload(seq_len=32 * K)
+    with mvi.baselines_ahead(model, workload, profile, 1, "des", workers=2) as ahead:
+        found = search(model, workload, profile, 1, keep=10, checks=ahead.checks, workers=2)
+        lead = ahead.checks.space.candidates[ahead.checks.leader]
+        # this job's screen leader is its recommendation (else choose a job where it is)
+        assert lead.plan == plan_of(found.recommended)
+        got = None
+        for _ in range(1200):  # it never waits for the child: ask until its messages are in
+            got = ahead.presimulated("ideal", found)
+            if got is not None:
+                break
+            time.sleep(0.05)
+        assert got is not None, "the child did not presimulate the recommendation"
+        rec = found.recommended
+        ideal = profile.model_copy(update={"implementation": "ideal"})
+        mine = simulate(model, Workload(**rec.workload), plan_of(rec), ideal, 1, engine="des", with_trace=False)
+        assert got.to_json() == mine.to_json()
+        assert ahead.baseline("ideal", model, workload, profile, 1, "des")[0]  # still collected
 
 
 def _graph_readers(model, workload, plan, profile) -> np.ndarray | None:

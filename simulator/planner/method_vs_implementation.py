@@ -60,6 +60,7 @@ class BaselinesAhead:
         self.inputs = (model, workload, profile)  # the very objects the search is given
         self.key = (nodes, engine)
         self.running: dict[str, tuple] = {}
+        self.received: dict[str, tuple] = {}  # a child's baseline message, read ahead (`presimulated`)
         self.checks: SharedChecks | None = None  # the main search's memory checks, shared
         if not bp_applies(workload) or not Workers(searched.get("workers")).parallel or not core_free():
             return  # one core, no fork or no idle core: searched inline afterwards, as before
@@ -95,19 +96,48 @@ class BaselinesAhead:
     def baseline(self, name: str, model: ModelSpec, workload: Workload, profile: HardwareProfile,
                  nodes: int, engine: str) -> tuple[bool, Result | None]:
         """(found ahead?, the baseline) for `name`, if started for exactly these inputs."""
-        same = all(a is b for a, b in zip((model, workload, profile), self.inputs))
-        if name not in self.running or not same or (nodes, engine) != self.key:
+        if not self._started_for(name, model, workload, profile, nodes, engine):
             return False, None
         child, receive = self.running.pop(name)
-        try:
-            ok, value = receive.recv()
-        except EOFError:  # the child died without a word (killed): search here instead
-            child.join()
-            return False, None
-        child.join()
+        got = self.received.pop(name, None)
+        if got is None:
+            try:
+                got = receive.recv()
+            except EOFError:  # the child died without a word (killed): search here instead
+                child.join()
+                return False, None
+        _drain_and_join(child, receive)
+        ok, value = got
         if not ok:
             raise value
         return True, value
+
+    def presimulated(self, name: str, found: Search) -> Result | None:
+        """The recommendation of `found` simulated under `name` by that child, where the child
+        has already sent it (its baseline first, then the main screen's best candidate it took
+        for the likeliest recommendation: `shared_checks.SharedChecks.lead`) and it is the same
+        plan and workload; else None (simulate it here). Never waits for the child."""
+        if self.checks is None or not self._started_for(name, found.model, found.workload, found.profile,
+                                                        found.nodes, found.engine):
+            return None
+        _, receive = self.running[name]
+        try:
+            if name not in self.received:
+                if not receive.poll(0):
+                    return None
+                self.received[name] = receive.recv()
+            if not self.received[name][0] or not receive.poll(0):
+                return None
+            lead, result = receive.recv()
+        except (EOFError, OSError):
+            return None
+        cand, rec = self.checks.space.candidates[lead], found.recommended
+        same = cand.plan == plan_of(rec) and cand.workload == Workload(**rec.workload)
+        return result if same else None
+
+    def _started_for(self, name: str, model, workload, profile, nodes: int, engine: str) -> bool:
+        same = all(a is b for a, b in zip((model, workload, profile), self.inputs))
+        return name in self.running and same and (nodes, engine) == self.key
 
     def close(self) -> None:
         for child, receive in self.running.values():
@@ -121,6 +151,18 @@ class BaselinesAhead:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _drain_and_join(child, receive) -> None:
+    """Wait for the child to end, reading what else it sends (a presimulated recommendation not
+    taken), so that it never waits on a full pipe while this process waits for it."""
+    while child.is_alive():
+        try:
+            if receive.poll(0.005):
+                receive.recv()
+        except (EOFError, OSError):
+            break
+    child.join()
 
 
 def core_free() -> bool:
@@ -145,6 +187,16 @@ def _child(send, model, workload, profile, nodes, engine, searched, checks: Shar
     except Exception as err:  # noqa: BLE001 (raised in the parent, where the inline search would)
         out = (False, err)
     send.send(out)
+    if checks is not None and out[0] and checks.leader is not None:
+        # the main screen's best so far under this implementation: the answer's re-simulation of
+        # the recommendation, where they are the same plan (`speedup_by_implementation`)
+        lead = checks.leader
+        cand = checks.space.candidates[lead]
+        try:
+            send.send((lead, simulate(model, cand.workload, cand.plan, profile, nodes, engine=engine,
+                                      with_trace=False)))
+        except Exception:  # noqa: BLE001 (the parent simulates it itself)
+            pass
     send.close()
     if checks is not None:  # then the main search's memory checks, from the back (`shared_checks`)
         try:
@@ -173,9 +225,12 @@ def speedup_by_implementation(found: Search, ahead: BaselinesAhead | None = None
             out[name] = found.speedup
             continue
         profile = found.profile.model_copy(update={"implementation": name})
-        # the recommendation first, while the child may still be searching
-        mine = simulate(found.model, Workload(**rec.workload), plan_of(rec), profile, found.nodes,
-                        engine=found.engine, with_trace=False)
+        # the recommendation first, while the child may still be searching, unless the child
+        # has simulated it already (the same call on the same inputs: the same result)
+        mine = ahead.presimulated(name, found) if ahead else None
+        if mine is None:
+            mine = simulate(found.model, Workload(**rec.workload), plan_of(rec), profile, found.nodes,
+                            engine=found.engine, with_trace=False)
         done, base = ahead.baseline(name, found.model, found.workload, found.profile, found.nodes,
                                     found.engine) if ahead else (False, None)
         if not done:

@@ -9,7 +9,9 @@ are checked only to report why they are missing (the "memory" group, the count t
 0.5-0.6 s of that search, while the helper's core has nothing left to do (not quite free: on the
 2-core host the two cores slow each other by up to a quarter while both run, benchmarks/README).
 So the main search reads fits lazily, the helper checks candidates from the back of the list
-once its own search is done, the main one from the front once its screen is done, and they
+once its own search is done (first simulating, under its own implementation, the best candidate
+the main screen has scored so far: the likeliest recommendation, whose speedup under that
+implementation the answer reads, `method_vs_implementation`), the main one from the front once its screen is done, and they
 meet; each writes what it found into one shared byte per candidate (the screen's own checks
 too, so neither repeats them).
 
@@ -41,6 +43,7 @@ class SharedChecks:
         self._state = ctx.RawArray("b", n)
         self._ends = ctx.RawArray("i", [0, n])  # next from the front, end of the back's part
         self._lock = ctx.Lock()
+        self._leader = ctx.RawValue("i", -1)  # the main search's best screened candidate so far
         self.helper = None  # the helper's Process, once started (is it still alive?)
 
     def matches(self, *key) -> bool:
@@ -55,6 +58,15 @@ class SharedChecks:
         to take, so the helper ends at once."""
         with self._lock:
             self._ends[0] = self._ends[1]
+
+    def lead(self, i: int) -> None:
+        """The main side: candidate i is the best its screen has scored so far (the likeliest
+        recommendation, which the helper may simulate under its own implementation ahead)."""
+        self._leader.value = i
+
+    @property
+    def leader(self) -> int | None:
+        return None if self._leader.value < 0 else self._leader.value
 
     def record(self, i: int, fits: bool) -> None:
         """A check made outside the split (the screen's own), so that neither side repeats it."""
