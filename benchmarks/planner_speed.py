@@ -3,7 +3,7 @@
 The goals (issue 25) apply to the whole `csbp.plan(...)` call, in process, imports excluded: the
 main search plus what the answer adds (the recommendation's speedup under the `ideal`
 implementation, a second search, run in a forked process beside the main one when a core is
-idle: `method_vs_implementation.core_free`, so what else runs at that moment decides whether the two searches
+idle: `workers.core_free`, so what else runs at that moment decides whether the two searches
 overlap; that process then takes the main search's memory checks from the other end of its
 list, `planner.shared_checks`). On this 2-core host, quiet: every study workload <= 1 s at 16
 GPUs (nemotron-diffusion-8b <= 0.5 s), <= 2 s at 128 GPUs, <= 5 s at 1,024 GPUs. The main

@@ -7,6 +7,8 @@
 - That child first simulates, under its implementation, the best candidate the main screen
   has scored so far (`shared_checks.SharedChecks.lead`); where it is the recommendation, the
   answer takes it instead of simulating it again: the same call on the same inputs.
+- A batch of event-engine re-scorings runs half in a process forked for it when a core is idle
+  (`workers.halves`): every item's result, in order, the same call in either process.
 - The compute floor takes a drafter's offline-feature reader streams (`floor.reader_floor`):
   the same ops (the builder's `feature_io`) priced by the same function (`cost.seconds`) as the
   step graph's, so the reader sum equals the graph's exactly, and it does not depend on the K/V
@@ -115,6 +117,45 @@ def test_recommendation_presimulated_by_the_child_equals_the_parents(monkeypatch
         mine = simulate(model, Workload(**rec.workload), plan_of(rec), ideal, 1, engine="des", with_trace=False)
         assert got.to_json() == mine.to_json()
         assert ahead.baseline("ideal", model, workload, profile, 1, "des")[0]  # still collected
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def _square_not_in(pid: int, x: int) -> int:
+    """`_square`, failing in any process but `pid`."""
+    import os
+
+    if os.getpid() != pid:
+        raise RuntimeError("not here")
+    return x * x
+
+
+def _square_but_in(pid: int, x: int) -> int:
+    """`_square`, failing in process `pid`."""
+    import os
+
+    if os.getpid() == pid:
+        raise ValueError("here")
+    return x * x
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not FORK, reason="halves forks")
+def test_halves_gives_every_result_in_order_and_runs_a_failed_half_here():
+    import os
+    from functools import partial
+
+    from csbp.simulator.planner.workers import halves
+
+    items = list(range(11))
+    assert halves(_square, items) == [x * x for x in items]
+    # the forked half fails: its items run in this process, the results are the same
+    assert halves(partial(_square_not_in, os.getpid()), items) == [x * x for x in items]
+    # this process's half fails: the error is raised here and the helper ended
+    with pytest.raises(ValueError, match="here"):
+        halves(partial(_square_but_in, os.getpid()), items)
 
 
 def _graph_readers(model, workload, plan, profile) -> np.ndarray | None:

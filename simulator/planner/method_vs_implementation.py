@@ -27,7 +27,7 @@ import os
 from csbp.simulator.errors import InputError
 from csbp.simulator.planner.planner import Search, plan_of, search
 from csbp.simulator.planner.shared_checks import SharedChecks, for_search, fits_of
-from csbp.simulator.planner.workers import Workers, available_cores
+from csbp.simulator.planner.workers import Workers, core_free
 from csbp.simulator.engine.simulate import simulate
 from csbp.simulator.report.result import Result
 from csbp.simulator.system.hardware import HardwareProfile
@@ -163,22 +163,6 @@ def _drain_and_join(child, receive) -> None:
         except (EOFError, OSError):
             break
     child.join()
-
-
-def core_free() -> bool:
-    """Whether a core is idle to run the baseline search beside the main one: fewer runnable
-    tasks than the cores this process may use, this one included (Linux: `/proc/loadavg`'s
-    count of tasks runnable now), else the last minute's load average at least half a core
-    below them. On a host others keep busy the two searches would only take turns on the same
-    cores (and pay for the fork), so they run one after the other there; the answer is the same
-    either way. The count now, not the minute's average, where the host gives it: the average
-    still carries the last search's own load for a minute, so a user planning again and again
-    on an idle host would get the two searches one after the other."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0]) < available_cores()
-    except (OSError, ValueError, IndexError):
-        return os.getloadavg()[0] < available_cores() - 0.5 if hasattr(os, "getloadavg") else True
 
 
 def _child(send, model, workload, profile, nodes, engine, searched, checks: SharedChecks | None = None) -> None:

@@ -450,17 +450,20 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
         picks = _to_rescore(screened, des_top)
         if baseline_only:  # the same bp == 1 picks as the full search, the others left out
             picks = [i for i in picks if screened[i][0].plan.bp == 1]
-        rescored = sorted((r for _, r in evaluate([screened[i][0] for i in picks], engine)),
-                          key=rank_key)
-        # where the context group sits, tried for every plan the engine re-scored (the reported
+        # where the context group sits, tried for every plan the engine re-scores (the reported
         # ones: the top, the baseline, each family's best): striped over the nodes or not
         variants = [Candidate(c.plan.model_copy(update={"placement": where}), c.workload)
                     for c in (screened[i][0] for i in picks)
                     for where in placements(c.plan, cluster_gpus(profile, nodes), profile.node.gpus_per_node)[1:]]
-        if keep is not None and prune_placements:  # only those that could change the report
+        # fewer picks than the ranking reports: every variant enters it (`_variant_matters`), so
+        # the picks and their variants are re-scored in one batch (split over an idle core)
+        together = not baseline_only and (keep is None or not prune_placements or len(picks) < keep)
+        both = [r for _, r in evaluate([screened[i][0] for i in picks] + (variants if together else []), engine)]
+        rescored = sorted(both, key=rank_key)
+        if not together:  # only the variants that could change the report
             variants = [v for v in variants if _variant_matters(model, profile, v, rescored, keep,
                                                                 baseline_only, counts)]
-        rescored = sorted(rescored + [r for _, r in evaluate(variants, engine)], key=rank_key)
+            rescored = sorted(rescored + [r for _, r in evaluate(variants, engine)], key=rank_key)
         evaluations += len(picks) + len(variants)
         picked = set(picks)
         ranked = rescored + [r for i, (_, r) in enumerate(screened) if i not in picked]
