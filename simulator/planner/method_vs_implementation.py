@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
-import os
 
 from csbp.simulator.errors import InputError
 from csbp.simulator.planner.planner import Search, plan_of, search
