@@ -144,6 +144,7 @@ class BaselinesAhead:
             child.join()
             receive.close()
         self.running.clear()
+        self.received.clear()
 
     def __enter__(self) -> "BaselinesAhead":
         return self

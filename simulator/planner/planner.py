@@ -419,15 +419,16 @@ def _search(model: ModelSpec, workload: Workload, profile: HardwareProfile, node
     # and `pruned` count the others
     fitting = list(space.candidates) if lazy else [cand for cand in space.candidates if fits(cand)]
 
-    leading: list = []  # (rank_key, index) of the best closed-form result so far (`checks.lead`)
+    leading = None  # (rank_key, index) of the best closed-form result so far (`checks.lead`)
 
     def evaluate(cands: list[Candidate], eng: str) -> Iterator[tuple[Candidate, Result]]:
+        nonlocal leading
         for cand, result in zip(cands, simulate_all(model, cands, profile, nodes, eng, pool)):
             if result.feasible:
                 if checks is not None and eng == "closed-form" and id(cand) in index:
                     mark = (rank_key(result), index[id(cand)])
-                    if not leading or mark < leading[0]:
-                        leading[:] = [mark]
+                    if leading is None or mark < leading:
+                        leading = mark
                         checks.lead(mark[1])
                 yield cand, result
             else:

@@ -11,9 +11,9 @@ are checked only to report why they are missing (the "memory" group, the count t
 So the main search reads fits lazily, the helper checks candidates from the back of the list
 once its own search is done (first simulating, under its own implementation, the best candidate
 the main screen has scored so far: the likeliest recommendation, whose speedup under that
-implementation the answer reads, `method_vs_implementation`), the main one from the front once its screen is done, and they
-meet; each writes what it found into one shared byte per candidate (the screen's own checks
-too, so neither repeats them).
+implementation the answer reads, `method_vs_implementation`), the main one from the front once
+its screen is done, and they meet; each writes what it found into one shared byte per candidate
+(the screen's own checks too, so neither repeats them).
 
 Both processes run the same `candidate_memory` on the same objects (forked: the same code on the
 same CPU, so the same floats), so the report equals the one-process search's. Where the helper
